@@ -1,0 +1,92 @@
+"""The error hierarchy of celery-redlock.
+
+Every error the package raises derives from :class:`RedlockError`. Lock errors
+also derive from redis-py's own lock errors, so code written against
+``redis.lock.Lock`` that catches ``redis.exceptions.LockError`` or
+``LockNotOwnedError`` keeps working with :class:`celery_redlock.Lock`.
+"""
+
+from __future__ import annotations
+
+from redis import exceptions as redis_exceptions
+
+__all__ = [
+    "ConfigurationError",
+    "LockError",
+    "LockKeyError",
+    "LockNotAcquired",
+    "LockNotOwned",
+    "RedlockError",
+]
+
+
+class RedlockError(Exception):
+    """Base class of every error raised by celery-redlock."""
+
+
+class ConfigurationError(RedlockError, ValueError):
+    """A setting or option has an invalid value.
+
+    Attributes:
+        setting: The name of the setting or option, as the user spells it.
+        value: The rejected value.
+    """
+
+    def __init__(self, setting: str, value: object, reason: str) -> None:
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{setting}={value!r}: {reason}")
+
+
+class LockKeyError(RedlockError, ValueError):
+    """A task's arguments cannot be turned into a lock key.
+
+    Attributes:
+        task_name: The task whose key failed.
+        argument: The argument at fault, when one is.
+    """
+
+    def __init__(self, task_name: str, argument: str | None, reason: str) -> None:
+        self.task_name = task_name
+        self.argument = argument
+        where = f"argument {argument!r} of task {task_name}" if argument else f"task {task_name}"
+        super().__init__(f"cannot build the lock key of {where}: {reason}")
+
+
+class LockError(RedlockError, redis_exceptions.LockError):
+    """A lock operation failed.
+
+    Attributes:
+        lock_name: The Redis key of the lock, when known.
+    """
+
+    def __init__(self, message: str, lock_name: str | None = None) -> None:
+        # redis-py's LockError stores ``lock_name`` itself; keep the same shape.
+        super().__init__(message, lock_name=lock_name)
+        self.lock_name = lock_name
+
+
+class LockNotAcquired(LockError):
+    """The lock is held by someone else (contention).
+
+    Attributes:
+        holder: The value stored by the current holder, when it was read.
+        holder_ttl: Seconds the holder's lock has left, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        lock_name: str | None = None,
+        *,
+        holder: str | None = None,
+        holder_ttl: float | None = None,
+    ) -> None:
+        super().__init__(message, lock_name=lock_name)
+        self.holder = holder
+        self.holder_ttl = holder_ttl
+
+
+class LockNotOwned(LockError, redis_exceptions.LockNotOwnedError):
+    """The lock was lost or taken over: its key no longer holds our token."""

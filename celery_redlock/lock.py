@@ -1,0 +1,553 @@
+"""A token lock on one Redis server: redis-py's ``Lock`` plus fencing and auto-renewal.
+
+:class:`Lock` accepts redis-py's constructor parameters and methods and behaves
+the same wherever both define behaviour, so ``client.lock(name,
+lock_class=celery_redlock.Lock)`` is a drop-in. On top of that every
+acquisition is a :class:`Lease`: the token, a fencing token drawn in the same
+round trip as the ``SET NX PX``, a validity deadline computed from a monotonic
+clock, and a ``lost`` flag that the renewal watchdog raises when the lock is
+taken away.
+
+Round trips: acquire 1, release 1, extend 1, reacquire 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from .exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from .scripts import ACQUIRE, RELEASE, RENEW
+
+if TYPE_CHECKING:
+    from .renewal import Watchdog
+
+__all__ = ["Lease", "Lock", "fence_key_for"]
+
+logger = logging.getLogger(__name__)
+
+Number = Union[int, float]
+Clock = Callable[[], float]
+LostCallback = Callable[["Lease"], object]
+
+#: Share of the TTL assumed lost to clock drift between client and server.
+DEFAULT_DRIFT_FACTOR = 0.01
+#: Fixed part of the drift allowance, in seconds (Redlock's 2 ms).
+DRIFT_FLOOR = 0.002
+#: How long a fence key outlives its lock; see ``scripts.ACQUIRE``.
+DEFAULT_FENCE_RETENTION = 3600.0
+
+
+def fence_key_for(name: str) -> str:
+    """Return the key holding the fence counter of lock ``name``.
+
+    The fence key must share the lock key's Redis Cluster hash slot, because the
+    acquire script touches both. A name with a hash tag keeps it; any other name
+    becomes the tag of its fence key, which hashes to the same slot as the name.
+    """
+    start = name.find("{")
+    if start != -1 and name.find("}", start + 2) != -1:
+        return f"{name}:fence"
+    if "}" in name:
+        # "{name}" would end its tag early; no key can share this name's slot
+        # through a tag, so fall back to a plain suffix (fine outside Cluster).
+        return f"{name}:fence"
+    return f"{{{name}}}:fence"
+
+
+def _positive_seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, value, "must be a number of seconds")
+    if value <= 0 or int(value * 1000) < 1:
+        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
+    return float(value)
+
+
+class Lease:
+    """One acquisition of a lock: what the holder has and how long it is valid.
+
+    A lease outlives the acquiring call: the watchdog renews it, and the holder
+    (or a Celery task through ``current_lock()``) reads ``fence`` and ``lost``
+    from it. It is safe to read from any thread.
+
+    Attributes:
+        name: The lock's Redis key.
+        token: The value stored under ``name`` while this lease holds it.
+        fence: The fencing token of this acquisition, or ``None`` without fencing.
+        ttl: The lock's time to live in seconds, or ``None`` if it never expires.
+        renewals: How many times the watchdog has renewed the lease.
+        lost: ``True`` once the lease is known not to hold the lock any more.
+        loss_reason: Why the lease was lost, when it was.
+        released: ``True`` once the holder started releasing it.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_clock",
+        "_drift_factor",
+        "_owner",
+        "client",
+        "deadline",
+        "fence",
+        "label",
+        "loss_reason",
+        "lost",
+        "name",
+        "on_lost",
+        "released",
+        "renewals",
+        "token",
+        "ttl",
+    )
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        name: str,
+        token: bytes,
+        fence: int | None,
+        ttl: float | None,
+        sent_at: float,
+        clock: Clock,
+        drift_factor: float = DEFAULT_DRIFT_FACTOR,
+        on_lost: LostCallback | None = None,
+        owner: object | None = None,
+        label: str | None = None,
+    ) -> None:
+        self.client = client
+        self.label = label
+        self.name = name
+        self.token = token
+        self.fence = fence
+        self.ttl = ttl
+        self.on_lost = on_lost
+        self.renewals = 0
+        self.lost = False
+        self.loss_reason: str | None = None
+        self.released = False
+        self._clock = clock
+        self._drift_factor = drift_factor
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self.deadline: float | None = None
+        if ttl is not None:
+            self.validate_until(sent_at, ttl)
+
+    def validate_until(self, sent_at: float, ttl: float) -> None:
+        """Record that the server granted ``ttl`` seconds to a request sent at ``sent_at``.
+
+        Validity is measured from when the request was *sent*, minus the drift
+        allowance, so it never overstates what the server granted.
+        """
+        self.deadline = sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+
+    def remaining(self) -> float:
+        """Seconds of validity left: ``inf`` without a TTL, ``0.0`` once lost or released."""
+        if self.lost or self.released:
+            return 0.0
+        if self.deadline is None:
+            return float("inf")
+        return max(0.0, self.deadline - self._clock())
+
+    @property
+    def valid(self) -> bool:
+        """``True`` while the lease is neither lost, released nor past its deadline."""
+        return self.remaining() > 0.0
+
+    @property
+    def abandoned(self) -> bool:
+        """``True`` when the :class:`Lock` that took the lease was garbage-collected."""
+        return self._owner is not None and self._owner() is None
+
+    def mark_lost(self, reason: str) -> None:
+        """Flag the lease as lost, log it once, and call its ``on_lost`` callback.
+
+        Called by the watchdog and by operations that find the lock not owned.
+        The callback's exceptions are logged, never propagated: it runs on the
+        watchdog thread, which must survive it.
+        """
+        if self.lost or self.released:
+            return
+        self.lost = True
+        self.loss_reason = reason
+        logger.error("%s lost: %s", self.describe(), reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback of %s failed", self.describe())
+
+    def describe(self) -> str:
+        """Name the lock, its holder and fence, for log lines."""
+        holder = f" held by {self.label}" if self.label else ""
+        return f"lock {self.name}{holder} (fence {self.fence})"
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self.released else "held"
+        return f"<Lease {self.name!r} fence={self.fence} {state}>"
+
+
+class _ThreadState(threading.local):
+    # Class attributes are the per-thread defaults of a threading.local subclass.
+    token: bytes | None = None
+    lease: Lease | None = None
+    holder: tuple[str | None, float | None] | None = None
+
+
+class _SharedState:
+    def __init__(self) -> None:
+        self.token: bytes | None = None
+        self.lease: Lease | None = None
+        self.holder: tuple[str | None, float | None] | None = None
+
+
+class Lock:
+    """A distributed lock on one Redis server, compatible with ``redis.lock.Lock``.
+
+    Args:
+        redis: A ``redis.Redis`` client (``decode_responses`` either way).
+        name: The Redis key of the lock.
+        timeout: Time to live in seconds; ``None`` keeps the lock until released.
+        sleep: Seconds between attempts while blocking.
+        blocking: Whether ``acquire()`` waits for the lock by default.
+        blocking_timeout: Longest wait in seconds; ``None`` waits forever.
+        thread_local: Keep the token per thread, as redis-py does.
+        raise_on_release_error: Whether leaving the ``with`` block raises when
+            the lock was lost meanwhile (otherwise it logs a warning).
+        auto_renew: Keep the lock alive from the watchdog thread while held.
+            Needs a ``timeout``; the watchdog renews at a third of it.
+        on_lost: Called with the :class:`Lease` when it is found lost. Runs on
+            the watchdog thread; keep it short.
+        fencing: Draw a fencing token on each acquisition (same round trip).
+        fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
+        fence_retention: Seconds the fence key outlives the lock.
+        drift_factor: Share of the TTL deducted from local validity for clock drift.
+        watchdog: The watchdog to renew with (default: the process-wide one).
+        label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).
+        clock: Monotonic clock in seconds; injectable for tests.
+
+    Raises:
+        ConfigurationError: If an argument is out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        timeout: Number | None = None,
+        sleep: Number = 0.1,
+        blocking: bool = True,
+        blocking_timeout: Number | None = None,
+        thread_local: bool = True,
+        raise_on_release_error: bool = True,
+        *,
+        auto_renew: bool = False,
+        on_lost: LostCallback | None = None,
+        fencing: bool = True,
+        fence_key: str | None = None,
+        fence_retention: Number = DEFAULT_FENCE_RETENTION,
+        drift_factor: float = DEFAULT_DRIFT_FACTOR,
+        watchdog: Watchdog | None = None,
+        clock: Clock = time.monotonic,
+        label: str | None = None,
+    ) -> None:
+        self.timeout = _positive_seconds("timeout", timeout, allow_none=True)
+        if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
+            raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
+        if blocking_timeout is not None and (
+            isinstance(blocking_timeout, bool)
+            or not isinstance(blocking_timeout, (int, float))
+            or blocking_timeout < 0
+        ):
+            raise ConfigurationError(
+                "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
+            )
+        if auto_renew and self.timeout is None:
+            raise ConfigurationError(
+                "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
+            )
+        if not 0 <= drift_factor < 0.5:
+            raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
+        self.redis = redis
+        self.name = name
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.fencing = fencing
+        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        retention = _positive_seconds("fence_retention", fence_retention, allow_none=False)
+        self._fence_retention_ms = int(retention * 1000) if retention else 0
+        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
+        self.drift_factor = drift_factor
+        self._watchdog = watchdog
+        self._clock = clock
+        self.label = label
+        self.local: _ThreadState | _SharedState = (
+            _ThreadState() if self.thread_local else _SharedState()
+        )
+
+    # -- redis-py compatible API ------------------------------------------------
+
+    def __enter__(self) -> Lock:
+        if self.acquire():
+            return self
+        holder, holder_ttl = self.local.holder or (None, None)
+        raise LockNotAcquired(
+            "Unable to acquire lock within the time specified",
+            lock_name=self.name,
+            holder=holder,
+            holder_ttl=holder_ttl,
+        )
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockError:
+            if self.raise_on_release_error:
+                raise
+            logger.warning("lock %s was lost before the with block ended", self.name)
+
+    def acquire(
+        self,
+        sleep: Number | None = None,
+        blocking: bool | None = None,
+        blocking_timeout: Number | None = None,
+        token: str | bytes | None = None,
+    ) -> bool:
+        """Take the lock; return ``True`` once held, ``False`` if not (non-blocking or timed out).
+
+        Args:
+            sleep: Seconds between attempts (default: the lock's ``sleep``).
+            blocking: Wait for the lock (default: the lock's ``blocking``).
+            blocking_timeout: Longest wait in seconds (default: the lock's).
+            token: Value to store; default 16 random bytes from ``secrets``, hex.
+
+        Raises:
+            redis.exceptions.RedisError: If Redis cannot be reached.
+        """
+        if sleep is None:
+            sleep = self.sleep
+        if blocking is None:
+            blocking = self.blocking
+        if blocking_timeout is None:
+            blocking_timeout = self.blocking_timeout
+        if token is None:
+            encoded = secrets.token_hex(16).encode()
+        else:
+            encoded = self.redis.get_encoder().encode(token)
+        stop_trying_at = None
+        if blocking_timeout is not None:
+            stop_trying_at = self._clock() + blocking_timeout
+        while True:
+            if self.do_acquire(encoded):
+                self.local.token = encoded
+                lease = self.local.lease
+                if self.auto_renew and lease is not None:
+                    self.watchdog.watch(lease)
+                return True
+            if not blocking:
+                return False
+            next_try_at = self._clock() + sleep
+            if stop_trying_at is not None and next_try_at > stop_trying_at:
+                return False
+            time.sleep(sleep)
+
+    def do_acquire(self, token: bytes) -> bool:
+        """Make one attempt; on success store the new :class:`Lease` for this thread."""
+        sent_at = self._clock()
+        fence: int | None = None
+        if self.fencing:
+            reply = ACQUIRE(
+                self.redis,
+                (self.name, self.fence_key),
+                (token, self._ttl_ms, self._fence_retention_ms),
+            )
+            if isinstance(reply, list):
+                holder_ttl_ms, holder = reply
+                self.local.holder = (
+                    holder.decode("utf-8", "replace") if isinstance(holder, bytes) else holder,
+                    holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
+                )
+                return False
+            fence = int(reply)
+        elif not self.redis.set(self.name, token, nx=True, px=self._ttl_ms or None):
+            self.local.holder = None
+            return False
+        self.local.holder = None
+        self.local.lease = Lease(
+            client=self.redis,
+            name=self.name,
+            token=token,
+            fence=fence,
+            ttl=self.timeout,
+            sent_at=sent_at,
+            clock=self._clock,
+            drift_factor=self.drift_factor,
+            on_lost=self.on_lost,
+            owner=self,
+            label=self.label,
+        )
+        return True
+
+    def locked(self) -> bool:
+        """Return ``True`` if anyone holds the lock (one ``GET``)."""
+        return self.redis.get(self.name) is not None
+
+    def owned(self) -> bool:
+        """Return ``True`` if this thread's token is the lock's value (one ``GET``)."""
+        token = self.local.token
+        if token is None:
+            return False
+        stored = self.redis.get(self.name)
+        if isinstance(stored, str):
+            stored = self.redis.get_encoder().encode(stored)
+        return bool(stored == token)
+
+    def release(self) -> None:
+        """Release the lock if this thread's token still holds it.
+
+        Raises:
+            LockError: If this thread does not hold the lock.
+            LockNotOwned: If the lock expired or was taken over meanwhile; the
+                current holder's key is left untouched.
+        """
+        token = self.local.token
+        if token is None:
+            raise LockError(
+                "Cannot release a lock that's not owned or is already unlocked.",
+                lock_name=self.name,
+            )
+        self.local.token = None
+        lease = self.local.lease
+        if lease is not None:
+            # Flag first: a watchdog renewal racing with the delete must not
+            # report the lock lost.
+            lease.released = True
+        self.do_release(token)
+
+    def do_release(self, expected_token: bytes) -> None:
+        """Run the compare-and-delete script."""
+        if not RELEASE(self.redis, (self.name,), (expected_token,)):
+            lease = self.local.lease
+            if lease is not None:
+                lease.lost = True
+                lease.loss_reason = "not owned at release"
+            raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
+
+    def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
+        """Add ``additional_time`` seconds to the TTL left, or set the TTL to it.
+
+        Raises:
+            LockError: If this thread does not hold the lock, or it has no timeout.
+            ConfigurationError: If ``additional_time`` is not positive.
+            LockNotOwned: If the lock was lost meanwhile.
+        """
+        if self.local.token is None:
+            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
+        _positive_seconds("additional_time", additional_time, allow_none=False)
+        return self.do_extend(additional_time, replace_ttl)
+
+    def do_extend(self, additional_time: Number, replace_ttl: bool) -> Literal[True]:
+        """Run the renew script for this lock alone."""
+        self._renew(int(additional_time * 1000), replace_ttl, "extend")
+        return True
+
+    def reacquire(self) -> Literal[True]:
+        """Reset the lock's TTL to ``timeout``.
+
+        Raises:
+            LockError: If this thread does not hold the lock, or it has no timeout.
+            LockNotOwned: If the lock was lost meanwhile.
+        """
+        if self.local.token is None:
+            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        return self.do_reacquire()
+
+    def do_reacquire(self) -> Literal[True]:
+        """Run the renew script with the lock's own TTL."""
+        self._renew(self._ttl_ms, True, "reacquire")
+        return True
+
+    # -- additions ----------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """This thread's latest lease: held, lost or released; ``None`` before any."""
+        return self.local.lease
+
+    @property
+    def token(self) -> bytes | None:
+        """This thread's token while it holds the lock, else ``None``."""
+        return self.local.token
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this thread's current hold, else ``None``.
+
+        Fences of one lock name strictly increase across acquisitions. Pass it
+        along with every write the lock protects, and have the store reject a
+        write whose fence is lower than one it has already seen.
+        """
+        lease = self.local.lease
+        return lease.fence if lease is not None and self.local.token is not None else None
+
+    @property
+    def lost(self) -> bool:
+        """``True`` if this thread's hold is known lost or has outlived its validity."""
+        lease = self.local.lease
+        if lease is None or lease.released:
+            return lease is not None and lease.lost
+        return lease.lost or lease.remaining() <= 0.0
+
+    def remaining(self) -> float:
+        """Seconds of validity left to this thread's hold (``inf`` without a timeout)."""
+        lease = self.local.lease
+        if lease is None or self.local.token is None:
+            return 0.0
+        return lease.remaining()
+
+    @property
+    def watchdog(self) -> Watchdog:
+        """The watchdog that renews this lock when ``auto_renew`` is set."""
+        if self._watchdog is None:
+            from .renewal import default_watchdog
+
+            self._watchdog = default_watchdog()
+        return self._watchdog
+
+    def _renew(self, ms: int, replace: bool, operation: str) -> None:
+        lease = self.local.lease
+        token = self.local.token
+        assert lease is not None and token is not None
+        sent_at = self._clock()
+        (pttl_ms,) = RENEW(self.redis, (self.name,), ("1" if replace else "0", token, ms))
+        if not pttl_ms:
+            lease.mark_lost(f"not owned at {operation}")
+            raise LockNotOwned(
+                f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
+            )
+        lease.validate_until(sent_at, pttl_ms / 1000)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"

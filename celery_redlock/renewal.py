@@ -1,0 +1,264 @@
+"""The renewal watchdog: one thread per process keeps every auto-renewed lease alive.
+
+Leases wait in a heap ordered by when they are next due, a third of their TTL
+after their last renewal. A pass renews every lease that is due or more than
+half way there, so leases fall into step and each pass costs one pipelined
+round trip per Redis connection pool, however many locks the process holds.
+
+A renewal that fails on a connection error is retried until the lease's own
+validity deadline; only then is the lease given up as lost. A lease the server
+no longer holds for us is lost at once. Either way the holder learns it through
+``Lease.lost`` and its ``on_lost`` callback, and an ERROR line names the key
+and fence. The thread catches everything, so it never dies silently.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+from redis.retry import Retry
+
+from .lock import Clock, Lease
+from .scripts import RENEW
+
+__all__ = ["Watchdog", "default_watchdog"]
+
+logger = logging.getLogger(__name__)
+
+#: Most locks renewed by one script call; a pass pipelines as many calls as needed.
+BATCH_SIZE = 1000
+#: Longest a renewal round trip may take, in seconds. A hung server must not
+#: hold the watchdog past the validity of every lease it renews.
+RENEWAL_TIMEOUT = 1.0
+
+
+def _renewal_client(client: Any) -> Any:
+    """Return a client for renewals: same server and options, bounded timeouts.
+
+    Its own small pool also keeps renewals going when the application has used
+    up its pool's connections. Pools this module does not know how to clone
+    (Sentinel, Cluster) are used as they are.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return client
+    kwargs = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        # Per-pool machinery of recent redis-py versions, bound to the original pool.
+        if not key.startswith(("maint_notifications", "orig_"))
+    }
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        current = kwargs.get(option)
+        kwargs[option] = RENEWAL_TIMEOUT if current is None else min(current, RENEWAL_TIMEOUT)
+    # One attempt per pass: the watchdog retries itself, within each lease's validity,
+    # whereas redis-py's own retries would multiply the timeout.
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, max_connections=4, **kwargs
+        )
+    )
+
+
+def _retry_delay(lease: Lease) -> float:
+    # Several attempts fit inside the third of a TTL that is left, without
+    # hammering a server that is down.
+    assert lease.ttl is not None
+    return min(1.0, max(0.05, lease.ttl / 10))
+
+
+class Watchdog:
+    """Renews auto-renewed leases from a daemon thread started on first use.
+
+    Args:
+        clock: Monotonic clock in seconds; must be the clock of the watched leases.
+        batch_size: Most leases per script call.
+    """
+
+    def __init__(self, *, clock: Clock = time.monotonic, batch_size: int = BATCH_SIZE) -> None:
+        self._clock = clock
+        self._batch_size = batch_size
+        self._reset()
+        # A forked child must not renew its parent's locks, and it has no
+        # thread: start afresh. A weak reference lets the watchdog be collected.
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reset_if_alive(ref))
+
+    def _reset(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        # Keyed by the application's pool; only the watchdog thread touches it.
+        self._clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    def watch(self, lease: Lease) -> None:
+        """Renew ``lease`` until it is released or lost."""
+        if lease.ttl is None:
+            raise ValueError(f"lock {lease.name} has no TTL to renew")
+        with self._cond:
+            self._push(lease, self._clock() + lease.ttl / 3)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redlock-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def watched(self) -> int:
+        """How many leases the heap holds (released ones linger until they are due)."""
+        with self._cond:
+            return len(self._heap)
+
+    def _push(self, lease: Lease, due: float) -> None:
+        heapq.heappush(self._heap, (due, next(self._seq), lease))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.renew_due()
+            except Exception:  # pragma: no cover - the loop must outlive any bug
+                logger.exception("renewal pass failed; the watchdog carries on")
+            with self._cond:
+                wait = self._heap[0][0] - self._clock() if self._heap else None
+                if wait is None or wait > 0:
+                    self._cond.wait(wait)
+
+    def renew_due(self) -> None:
+        """Run one renewal pass over the leases that are due now.
+
+        The watchdog thread calls this; tests call it directly with a fake clock.
+        """
+        now = self._clock()
+        batch = self._take_due(now)
+        by_pool: dict[Any, list[Lease]] = defaultdict(list)
+        for lease in batch:
+            if lease.released or lease.lost:
+                continue
+            if lease.abandoned:
+                logger.warning(
+                    "%s was garbage-collected while held; letting it expire", lease.describe()
+                )
+                continue
+            if lease.remaining() <= 0.0:
+                # The process slept past the validity (SIGSTOP, a long GC pause):
+                # someone else may hold the lock by now, so renewing is not safe.
+                lease.mark_lost("validity expired before it could be renewed")
+                continue
+            pool = getattr(lease.client, "connection_pool", lease.client)
+            by_pool[pool].append(lease)
+        for pool, leases in by_pool.items():
+            client = self._clients.get(pool)
+            if client is None:
+                client = self._clients[pool] = _renewal_client(leases[0].client)
+            self._renew_group(client, leases)
+
+    def _take_due(self, now: float) -> list[Lease]:
+        taken: list[Lease] = []
+        with self._cond:
+            heap = self._heap
+            while heap:
+                due, _, lease = heap[0]
+                assert lease.ttl is not None
+                # Renew early rather than alone: whatever is half way to due
+                # joins this pass, which keeps every lease in one round trip.
+                if due > now + lease.ttl / 6:
+                    break
+                heapq.heappop(heap)
+                taken.append(lease)
+        return taken
+
+    def _renew_group(self, client: Any, leases: Sequence[Lease]) -> None:
+        chunks = [leases[i : i + self._batch_size] for i in range(0, len(leases), self._batch_size)]
+        sent_at = self._clock()
+        try:
+            replies = self._send(client, chunks)
+        except RedisError as exc:
+            self._schedule_retry(leases, exc)
+            return
+        for chunk, reply in zip(chunks, replies):
+            for lease, pttl_ms in zip(chunk, reply):
+                self._settle(lease, sent_at, pttl_ms)
+
+    def _send(self, client: Any, chunks: Sequence[Sequence[Lease]]) -> list[list[int]]:
+        def script_args(chunk: Sequence[Lease]) -> tuple[list[str], list[Any]]:
+            args: list[Any] = ["1"]
+            for lease in chunk:
+                assert lease.ttl is not None
+                args += (lease.token, int(lease.ttl * 1000))
+            return [lease.name for lease in chunk], args
+
+        if len(chunks) == 1:
+            return [RENEW(client, *script_args(chunks[0]))]
+        pipe = client.pipeline(transaction=False)
+        for chunk in chunks:
+            RENEW.queue(pipe, *script_args(chunk))
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        for i, reply in enumerate(replies):
+            if isinstance(reply, NoScriptError):
+                replies[i] = RENEW(client, *script_args(chunks[i]))
+            elif isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _settle(self, lease: Lease, sent_at: float, pttl_ms: int) -> None:
+        if lease.released:
+            return
+        if not pttl_ms:
+            lease.mark_lost("the key no longer holds this lease's token")
+            return
+        lease.validate_until(sent_at, pttl_ms / 1000)
+        lease.renewals += 1
+        assert lease.ttl is not None
+        with self._cond:
+            self._push(lease, sent_at + lease.ttl / 3)
+
+    def _schedule_retry(self, leases: Iterable[Lease], exc: BaseException) -> None:
+        now = self._clock()
+        retrying = 0
+        for lease in leases:
+            if lease.remaining() <= 0.0:
+                lease.mark_lost(f"could not be renewed before its validity ran out: {exc!r}")
+                continue
+            retrying += 1
+            with self._cond:
+                self._push(lease, now + min(_retry_delay(lease), lease.remaining() / 2))
+        if retrying:
+            logger.warning(
+                "renewal of %d lock(s) failed (%r); retrying until their validity runs out",
+                retrying,
+                exc,
+            )
+
+
+def _reset_if_alive(ref: weakref.ref[Watchdog]) -> None:
+    watchdog = ref()
+    if watchdog is not None:
+        watchdog._reset()
+
+
+_default: Watchdog | None = None
+_default_guard = threading.Lock()
+
+
+def default_watchdog() -> Watchdog:
+    """Return the process-wide watchdog, creating it on first use."""
+    global _default
+    if _default is None:
+        with _default_guard:
+            if _default is None:
+                _default = Watchdog()
+    return _default

@@ -1,0 +1,144 @@
+"""Lua scripts of the lock, and the one way they are run.
+
+Each script documents its KEYS, ARGV and return value. Scripts are sent with
+``EVALSHA``; when the server does not know a script (after ``SCRIPT FLUSH`` or
+a restart) it is sent once with ``EVAL``, which both runs and caches it, so a
+flushed script costs one extra round trip, never a failed operation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Union
+
+from redis.exceptions import NoScriptError
+
+__all__ = ["ACQUIRE", "RELEASE", "RENEW", "Script"]
+
+Arg = Union[str, bytes, int, float]
+
+
+class Script:
+    """A Lua script identified by its SHA1, run with EVALSHA and an EVAL fallback.
+
+    Unlike redis-py's ``Script`` it is not bound to a client and never issues
+    ``SCRIPT EXISTS`` or ``SCRIPT LOAD``: the fast path is exactly one command.
+    """
+
+    __slots__ = ("name", "sha", "source")
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run the script on ``client`` (a redis-py client) and return its reply.
+
+        Raises:
+            redis.exceptions.RedisError: Whatever the server or connection raises,
+                except ``NOSCRIPT``, which is handled here.
+        """
+        try:
+            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+
+    def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
+        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
+        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<Script {self.name} {self.sha[:8]}>"
+
+
+# Take the lock and draw a fence in one round trip.
+#
+# KEYS[1]  lock key
+# KEYS[2]  fence key (same hash slot as the lock key)
+# ARGV[1]  token
+# ARGV[2]  ttl in milliseconds; "0" means the lock never expires
+# ARGV[3]  how long the fence key outlives the lock, in milliseconds
+# Returns  the fence (an integer > 0) when the lock was taken, otherwise the
+#          table {holder's PTTL in ms, holder's value}; PTTL is -2 and the value
+#          nil when the holder vanished between the two reads.
+#
+# The fence is max(last fence + 1, server time in microseconds). Seeding from
+# the server clock keeps fences increasing after the fence key expires or the
+# server restarts empty, so the fence key can carry a TTL and keys never pile
+# up; the stored value keeps them strictly increasing if the clock steps back.
+ACQUIRE = Script(
+    "acquire",
+    """
+local ttl = tonumber(ARGV[2])
+local taken
+if ttl > 0 then
+  taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ttl)
+else
+  taken = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+end
+if not taken then
+  return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
+end
+local now = redis.call('TIME')
+local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[2]))
+if last and last >= fence then
+  fence = last + 1
+end
+redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ttl + tonumber(ARGV[3]))
+return fence
+""",
+)
+
+# Delete the lock only if it still holds our token.
+#
+# KEYS[1]  lock key
+# ARGV[1]  token
+# Returns  1 when the lock was ours and is now deleted, 0 otherwise.
+RELEASE = Script(
+    "release",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+""",
+)
+
+# Push back the expiry of any number of locks, each only if it holds our token.
+# One call serves extend(), reacquire() and the watchdog's batched renewals.
+#
+# KEYS[i]      lock keys
+# ARGV[1]      "1": set each TTL to its milliseconds; "0": add them to the TTL left
+# ARGV[2i]     token of KEYS[i]
+# ARGV[2i+1]   milliseconds for KEYS[i]
+# Returns      a table with, for each key, its new PTTL in ms, or 0 when the key
+#              does not hold our token (or, when adding, has no expiry to add to).
+RENEW = Script(
+    "renew",
+    """
+local replace = ARGV[1] == '1'
+local result = {}
+for i, key in ipairs(KEYS) do
+  local ms = tonumber(ARGV[2 * i + 1])
+  result[i] = 0
+  if redis.call('GET', key) == ARGV[2 * i] then
+    if not replace then
+      local left = redis.call('PTTL', key)
+      if left < 0 then
+        ms = nil
+      else
+        ms = ms + left
+      end
+    end
+    if ms then
+      redis.call('PEXPIRE', key, ms)
+      result[i] = ms
+    end
+  end
+end
+return result
+""",
+)

@@ -1,0 +1,114 @@
+"""The lock stays safe across paused holders, script flushes and server restarts."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from celery_redlock import Lock, LockNotOwned
+
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+
+
+def paused_holder(url: str, conn) -> None:
+    lock = Lock(redis.Redis.from_url(url), "paused", timeout=1, auto_renew=True)
+    assert lock.acquire(blocking=False)
+    conn.send(lock.fence)
+    conn.recv()  # the parent stops us, takes the lock, resumes us, then says go
+    outcome = {"lost_before_release": lock.lost}
+    try:
+        lock.release()
+        outcome["release"] = "released"
+    except LockNotOwned:
+        outcome["release"] = "LockNotOwned"
+    conn.send(outcome)
+
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_holder_paused_past_its_ttl_loses_and_cannot_hurt_the_new_holder(redis_server):
+    """SIGSTOP beyond the TTL: the old holder learns it is lost and the new holder is safe."""
+    client = redis_server.client()
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=paused_holder, args=(redis_server.url, child_end))
+    child.start()
+    try:
+        old_fence = parent_end.recv()
+        os.kill(child.pid, signal.SIGSTOP)
+        new = Lock(client, "paused", timeout=10, sleep=0.05, blocking_timeout=5)
+        assert new.acquire()
+        assert new.fence > old_fence
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    parent_end.send("go")
+    outcome = parent_end.recv()
+    child.join(timeout=5)
+    assert outcome == {"lost_before_release": True, "release": "LockNotOwned"}
+    assert new.owned()
+    new.release()
+
+
+def test_every_operation_survives_script_flush(redis_server):
+    """Acquire, extend, reacquire and release each work right after SCRIPT FLUSH."""
+    client = redis_server.client()
+    lock = Lock(client, "flush", timeout=10)
+    client.script_flush()
+    assert lock.acquire(blocking=False)
+    first = lock.fence
+    client.script_flush()
+    assert lock.extend(5)
+    client.script_flush()
+    assert lock.reacquire()
+    client.script_flush()
+    lock.release()
+    client.script_flush()
+    assert lock.acquire(blocking=False)
+    assert lock.fence > first
+    lock.release()
+
+
+def test_restart_between_operations(redis_server):
+    """After a restart (empty dataset) the old hold is gone; new holds work, with higher fences."""
+    client = redis_server.client()
+    old = Lock(client, "restart", timeout=10)
+    assert old.acquire(blocking=False)
+    redis_server.restart()
+    # The old hold vanished with the dataset: its release must say so, not pass silently.
+    with pytest.raises(LockNotOwned):
+        old.release()
+    new = Lock(client, "restart", timeout=10)
+    assert new.acquire(blocking=False)
+    # Fences are seeded from the server clock, so they keep rising after data loss.
+    assert new.fence > old.lease.fence
+    assert new.extend(1)
+    assert new.reacquire()
+    new.release()
+
+
+def test_fence_keys_expire_and_fences_still_rise(redis_server):
+    """Fence keys carry a TTL, so no key outlives its use, and fences still increase."""
+    client = redis_server.client()
+    lock = Lock(client, "ephemeral", timeout=0.05, fence_retention=0.05)
+    assert lock.acquire(blocking=False)
+    first = lock.fence
+    lock.release()
+    deadline = time.monotonic() + 2
+    while client.dbsize() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.dbsize() == 0
+    assert lock.acquire(blocking=False)
+    assert lock.fence > first
+    lock.release()
+
+
+def test_unreachable_server_raises_a_connection_error(redis_server):
+    """With the server gone, acquire raises ConnectionError rather than returning False."""
+    client = redis_server.client(socket_connect_timeout=0.2)
+    redis_server.stop()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        Lock(client, "gone", timeout=1).acquire(blocking=False)

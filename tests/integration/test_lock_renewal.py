@@ -1,0 +1,172 @@
+"""The watchdog keeps auto-renewed locks alive, batches renewals and reports losses."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from celery_redlock import Lock, Watchdog, default_watchdog
+
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+
+
+def lost_event(lock_kwargs: dict) -> tuple[threading.Event, dict]:
+    """Return an event set by on_lost and kwargs that wire it in."""
+    event = threading.Event()
+    return event, {**lock_kwargs, "on_lost": lambda lease: event.set()}
+
+
+def test_auto_renewed_lock_outlives_its_ttl_many_times(redis_server):
+    """A 1 s lock held for 5 s with auto_renew is still ours, and never reported lost."""
+    client = redis_server.client()
+    lock = Lock(client, "long", timeout=1, auto_renew=True, watchdog=Watchdog())
+    assert lock.acquire(blocking=False)
+    time.sleep(5)
+    assert lock.owned()
+    assert not lock.lost
+    assert lock.lease.renewals >= 12
+    assert 0 < lock.remaining() <= 1
+    lock.release()
+    assert client.get("long") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_thousand_locks_cost_one_round_trip_per_period(redis_server):
+    """1,000 auto-renewed locks are renewed with one command per renewal period."""
+    client = redis_server.client()
+    watchdog = Watchdog()
+    locks = [
+        Lock(client, f"many:{i}", timeout=1.5, auto_renew=True, fencing=False, watchdog=watchdog)
+        for i in range(1000)
+    ]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    redis_server.reset_stats()
+    hold = 3.0
+    time.sleep(hold)
+    renew_calls = redis_server.commandstats().get("evalsha", 0)
+    periods = hold / (1.5 / 3)
+    # One call per period, plus one for a pass that straddles the window's edge.
+    assert renew_calls <= periods + 1
+    assert all(lock.lease.renewals >= periods - 1 for lock in locks)
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()
+    assert client.dbsize() == 0
+
+
+@pytest.mark.parametrize("tamper", ["delete", "overwrite"])
+def test_lock_taken_away_is_reported_lost_within_one_renewal_period(redis_server, tamper):
+    """Deleting or overwriting the key behind the holder's back is noticed at the next renewal."""
+    client = redis_server.client()
+    event, kwargs = lost_event({"timeout": 1.5, "auto_renew": True, "watchdog": Watchdog()})
+    lock = Lock(client, "victim", **kwargs)
+    assert lock.acquire(blocking=False)
+    if tamper == "delete":
+        client.delete("victim")
+    else:
+        client.set("victim", "intruder", px=10_000)
+    started = time.monotonic()
+    assert event.wait(timeout=2)
+    assert time.monotonic() - started <= 1.5 / 3 + 0.25
+    assert lock.lost
+    assert lock.lease.loss_reason == "the key no longer holds this lease's token"
+    if tamper == "overwrite":
+        assert client.get("victim") == b"intruder"
+
+
+def test_hung_server_marks_the_lock_lost_by_its_deadline_and_watchdog_recovers(redis_server):
+    """A server that stops answering costs the lock by its validity deadline, not a hang."""
+    client = redis_server.client(socket_timeout=5)
+    watchdog = Watchdog()
+    event, kwargs = lost_event({"timeout": 1, "auto_renew": True, "watchdog": watchdog})
+    lock = Lock(client, "hung", **kwargs)
+    assert lock.acquire(blocking=False)
+    redis_server.pause()
+    try:
+        started = time.monotonic()
+        assert event.wait(timeout=4)
+        # Validity (1 s) plus at most one bounded renewal attempt in flight.
+        assert time.monotonic() - started < 1 + 1.0 + 0.5
+        assert "validity" in lock.lease.loss_reason
+    finally:
+        redis_server.resume()
+    again = Lock(client, "hung2", timeout=0.6, auto_renew=True, watchdog=watchdog)
+    assert again.acquire(blocking=False)
+    time.sleep(1.5)
+    assert again.owned() and not again.lost
+    again.release()
+
+
+def test_renewal_survives_script_flush(redis_server):
+    """After SCRIPT FLUSH the watchdog reloads its script and keeps the lock."""
+    client = redis_server.client()
+    lock = Lock(client, "flushed", timeout=0.6, auto_renew=True, watchdog=Watchdog())
+    assert lock.acquire(blocking=False)
+    client.script_flush()
+    time.sleep(1.5)
+    assert lock.owned() and not lock.lost
+    client.script_flush()
+    lock.release()
+
+
+def test_released_lock_is_not_reported_lost(redis_server, caplog):
+    """Releasing while a renewal is due never raises a false loss."""
+    client = redis_server.client()
+    watchdog = Watchdog()
+    for _ in range(50):
+        lock = Lock(client, "brief", timeout=0.1, auto_renew=True, watchdog=watchdog)
+        assert lock.acquire(blocking=False)
+        time.sleep(0.03)
+        lock.release()
+        assert not lock.lost
+    time.sleep(0.2)
+    assert "lost" not in caplog.text
+
+
+def test_garbage_collected_lock_is_left_to_expire(redis_server, caplog):
+    """A lock object dropped while held stops being renewed, so the key expires."""
+    client = redis_server.client()
+    lock = Lock(client, "orphan", timeout=0.6, auto_renew=True, watchdog=Watchdog())
+    assert lock.acquire(blocking=False)
+    del lock
+    gc.collect()
+    with caplog.at_level(logging.WARNING):
+        time.sleep(1.2)
+    assert client.get("orphan") is None
+    assert "garbage-collected while held" in caplog.text
+
+
+def child_holds_auto_renewed_lock(url: str, results) -> None:
+    import redis
+
+    inherited = default_watchdog().watched()
+    lock = Lock(redis.Redis.from_url(url), "child", timeout=0.6, auto_renew=True)
+    assert lock.acquire(blocking=False)
+    time.sleep(2)
+    results.put((inherited, lock.owned(), lock.lost, lock.lease.renewals))
+    lock.release()
+
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_watchdog_restarts_in_a_forked_child(redis_server):
+    """A forked child gets its own watchdog thread and none of its parent's leases."""
+    client = redis_server.client()
+    parent_lock = Lock(client, "parent", timeout=1, auto_renew=True)
+    assert parent_lock.acquire(blocking=False)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=child_holds_auto_renewed_lock, args=(redis_server.url, results))
+    child.start()
+    inherited, owned, lost, renewals = results.get(timeout=10)
+    child.join(timeout=5)
+    assert inherited == 0
+    assert owned and not lost
+    assert renewals >= 4
+    assert parent_lock.owned() and not parent_lock.lost
+    parent_lock.release()
