@@ -1,7 +1,8 @@
 """celery-redlock: Redis locks that stop Celery tasks from running twice at once.
 
 The lock core (:class:`Lock`, :class:`Lease`, :class:`Watchdog`) does not use
-Celery and serves any Python program.
+Celery and serves any Python program; :class:`SingletonTask` and
+:func:`current_lock` are the Celery integration.
 """
 
 from __future__ import annotations
@@ -9,23 +10,30 @@ from __future__ import annotations
 from .exceptions import (
     ConfigurationError,
     LockError,
+    LockKeyError,
     LockNotAcquired,
     LockNotOwned,
     RedlockError,
 )
+from .guard import SKIPPED, current_lock
 from .lock import Lease, Lock, fence_key_for
 from .renewal import Watchdog, default_watchdog
+from .task import SingletonTask
 
 __all__ = [
+    "SKIPPED",
     "ConfigurationError",
     "Lease",
     "Lock",
     "LockError",
+    "LockKeyError",
     "LockNotAcquired",
     "LockNotOwned",
     "RedlockError",
+    "SingletonTask",
     "Watchdog",
     "__version__",
+    "current_lock",
     "default_watchdog",
     "fence_key_for",
 ]

@@ -1,0 +1,206 @@
+"""Settings and task options, resolved and validated in one place.
+
+Every lock option can be set on the task (``lock_<name>``) or app-wide
+(``redlock_<name>`` on ``app.conf``; Django users write ``CELERY_REDLOCK_<NAME>``).
+:func:`resolve` applies task attribute > app setting > default, validates the
+value and names the setting that supplied a bad one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from .exceptions import ConfigurationError
+from .keys import KeySpec
+
+__all__ = [
+    "CONFLICT_POLICIES",
+    "OPTIONS",
+    "REDIS_ERROR_POLICIES",
+    "SETTINGS",
+    "LockOptions",
+    "lock_url",
+    "resolve",
+    "validate_settings",
+]
+
+#: What a task does when another call with the same key holds the lock.
+CONFLICT_POLICIES = ("skip", "requeue", "raise")
+#: What a task does when the lock's Redis cannot be reached.
+REDIS_ERROR_POLICIES = ("requeue", "run", "raise")
+
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """The resolved lock options of one task.
+
+    Attributes:
+        ttl: Lock time to live in seconds; the watchdog renews it at a third.
+        key: Which arguments identify a call (see :data:`celery_redlock.keys.KeySpec`).
+        on_conflict: ``"skip"``, ``"requeue"`` or ``"raise"``.
+        on_redis_error: ``"requeue"`` (fail closed), ``"run"`` (fail open) or ``"raise"``.
+        requeue_delay: First requeue delay in seconds; doubles with each requeue.
+        requeue_max_delay: Cap of the requeue delay in seconds.
+        requeue_jitter: Share of each delay drawn at random (0 to 1).
+        max_requeues: Most requeues of one task before it fails; not charged
+            against the task's ``max_retries``.
+        key_prefix: Prefix of every lock key.
+    """
+
+    ttl: float = 10.0
+    key: KeySpec = None
+    on_conflict: str = "skip"
+    on_redis_error: str = "requeue"
+    requeue_delay: float = 1.0
+    requeue_max_delay: float = 60.0
+    requeue_jitter: float = 0.5
+    max_requeues: int = 100
+    key_prefix: str = "redlock"
+
+
+Validator = Callable[[str, Any], Any]
+
+
+def _seconds(setting: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigurationError(setting, value, "must be a positive number of seconds")
+    if value < 0.001:
+        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
+    return float(value)
+
+
+def _choice(choices: tuple[str, ...]) -> Validator:
+    def validate(setting: str, value: Any) -> str:
+        if value not in choices:
+            raise ConfigurationError(setting, value, f"must be one of {', '.join(choices)}")
+        return str(value)
+
+    return validate
+
+
+def _fraction(setting: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigurationError(setting, value, "must be a number from 0 to 1")
+    return float(value)
+
+
+def _count(setting: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(setting, value, "must be a whole number >= 0")
+    return value
+
+
+def _key_spec(setting: str, value: Any) -> KeySpec:
+    if value is None or callable(value) or isinstance(value, str):
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, (list, tuple)) and all(isinstance(name, str) for name in value):
+        return tuple(value)
+    raise ConfigurationError(
+        setting, value, "must be None, a list of argument names, or a callable (args, kwargs)"
+    )
+
+
+def _prefix(setting: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or "{" in value or "}" in value:
+        raise ConfigurationError(setting, value, "must be a non-empty string without braces")
+    return value
+
+
+#: option name -> (validator, also an app-wide ``redlock_<name>`` setting?)
+OPTIONS: Mapping[str, tuple[Validator, bool]] = {
+    "ttl": (_seconds, True),
+    "key": (_key_spec, False),
+    "on_conflict": (_choice(CONFLICT_POLICIES), True),
+    "on_redis_error": (_choice(REDIS_ERROR_POLICIES), True),
+    "requeue_delay": (_seconds, True),
+    "requeue_max_delay": (_seconds, True),
+    "requeue_jitter": (_fraction, True),
+    "max_requeues": (_count, True),
+    "key_prefix": (_prefix, True),
+}
+
+#: Every app-wide setting this package reads.
+SETTINGS = frozenset(
+    {"redlock_url"} | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
+)
+
+
+def resolve(task: Any, conf: Mapping[str, Any]) -> LockOptions:
+    """Resolve and validate the lock options of ``task`` against the app's ``conf``.
+
+    Raises:
+        ConfigurationError: Naming the task attribute or setting with a bad value.
+    """
+    defaults = LockOptions()
+    values: dict[str, Any] = {}
+    for name, (validate, app_wide) in OPTIONS.items():
+        value = getattr(task, f"lock_{name}", None)
+        source = f"{task.name}.lock_{name}"
+        if value is None and app_wide:
+            value = conf.get(f"redlock_{name}")
+            source = f"redlock_{name}"
+        values[name] = getattr(defaults, name) if value is None else validate(source, value)
+    options = LockOptions(**values)
+    if options.requeue_max_delay < options.requeue_delay:
+        raise ConfigurationError(
+            "redlock_requeue_max_delay",
+            options.requeue_max_delay,
+            f"is below requeue_delay={options.requeue_delay}",
+        )
+    return options
+
+
+def validate_settings(conf: Mapping[str, Any]) -> None:
+    """Reject misspelt ``redlock_*`` settings, which would otherwise be ignored.
+
+    Raises:
+        ConfigurationError: Naming the unknown setting and the known ones.
+    """
+    for name in conf:
+        if isinstance(name, str) and name.lower().startswith("redlock_") and name not in SETTINGS:
+            raise ConfigurationError(
+                name, conf[name], f"is not a setting; known: {', '.join(sorted(SETTINGS))}"
+            )
+
+
+def lock_url(conf: Mapping[str, Any]) -> str:
+    """Return the Redis URL of the lock store: ``redlock_url``, else a Redis broker URL.
+
+    Raises:
+        ConfigurationError: If neither gives a Redis URL.
+    """
+    url = conf.get("redlock_url")
+    if url is not None:
+        if not isinstance(url, str) or urlsplit(url).scheme not in _REDIS_SCHEMES:
+            raise ConfigurationError(
+                "redlock_url", url, "must be a redis://, rediss:// or unix:// URL"
+            )
+        return url
+    broker = conf.get("broker_url")
+    if isinstance(broker, (list, tuple)):
+        broker = broker[0] if broker else None
+    if isinstance(broker, str):
+        # Failover lists are written "url1;url2"; the first is the primary.
+        broker = broker.split(";")[0].strip()
+        if urlsplit(broker).scheme in _REDIS_SCHEMES:
+            return broker
+    raise ConfigurationError(
+        "redlock_url",
+        None,
+        f"is not set and the broker URL ({_redact(broker)}) is not a Redis URL; "
+        "set redlock_url = 'redis://host:6379/0'",
+    )
+
+
+def _redact(url: Any) -> str:
+    if not isinstance(url, str):
+        return repr(url)
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(f":{parts.password}@", ":***@")
+    return url

@@ -1,0 +1,307 @@
+"""The one place that runs a task under its lock: acquire, run, release, or resolve a conflict.
+
+:class:`TaskGuard` is shared by :class:`~celery_redlock.SingletonTask` and the
+per-queue hooks. It is built once per task and process; the state of each run
+(the lock, its lease) lives in local variables and a context variable, never
+on the task instance, which thread and gevent pools share between runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import random
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import redis
+from celery.backends.base import DisabledBackend
+from celery.exceptions import Ignore
+from celery.states import READY_STATES
+from redis.exceptions import RedisError
+
+from . import signals
+from .conf import LockOptions, lock_url, resolve
+from .exceptions import LockError, LockNotAcquired, LockNotOwned
+from .holder import Holder
+from .keys import KeyBuilder
+from .lock import Lease, Lock
+
+__all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for"]
+
+logger = logging.getLogger(__name__)
+
+#: Task state recorded for a call skipped because a duplicate held the lock.
+#: Not a ready state: ``AsyncResult.get()`` keeps waiting; read ``.state``/``.info``.
+SKIPPED = "SKIPPED"
+
+#: Message header counting how often the lock sent this message back to the queue.
+REQUEUES_HEADER = "x_redlock_requeues"
+#: Message header set when a copy was requeued because it met its own task id.
+SELF_HEADER = "x_redlock_self"
+
+T = TypeVar("T")
+
+_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "celery_redlock_current_lock", default=None
+)
+
+
+def current_lock() -> Lease | None:
+    """Return the lease of the lock held by the running task, if it holds one.
+
+    Read ``fence`` to tag writes, and ``lost`` (or ``remaining()``) to check
+    the lock is still held before doing something irreversible.
+    """
+    return _current.get()
+
+
+class TaskGuard:
+    """Runs the calls of one task under its lock.
+
+    Args:
+        task: The task (a bound ``celery.Task`` instance).
+        options: Its resolved lock options.
+        client: The Redis client of the lock store.
+    """
+
+    def __init__(self, task: Any, options: LockOptions, client: Any) -> None:
+        self.task = task
+        self.options = options
+        self.client = client
+        self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
+
+    def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
+        """Run ``body`` while holding the lock of this call, or resolve the conflict.
+
+        Raises:
+            celery.exceptions.Ignore: When the call is skipped or requeued.
+            LockNotAcquired: Under ``on_conflict="raise"``, or when requeues run out.
+            LockKeyError: When the arguments cannot make a key.
+        """
+        task, request = self.task, self.task.request
+        key = self.keys.key_for(args, kwargs)
+        label = f"task {task.name}[{request.id}]"
+        lock = Lock(
+            self.client,
+            key,
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            on_lost=lambda lease: self._report_lost(lease, request.id),
+            label=label,
+        )
+        holder = Holder.new(request.id, request.hostname)
+        try:
+            acquired = lock.acquire(token=holder.encode())
+        except RedisError as exc:
+            return self._redis_failed(key, exc, body)
+        if not acquired:
+            self._conflict(key, lock)
+        lease = lock.lease
+        assert lease is not None
+        logger.debug("%s acquired", lease.describe())
+        signals.lock_acquired.send(
+            sender=task, task_id=request.id, key=key, fence=lease.fence, ttl=self.options.ttl
+        )
+        context = _current.set(lease)
+        try:
+            if _header(request, SELF_HEADER) and self._already_done(request.id):
+                logger.info("%s: an earlier delivery already ran it; dropping", label)
+                raise Ignore()
+            return body()
+        finally:
+            _current.reset(context)
+            self._release(lock, lease)
+
+    def _release(self, lock: Lock, lease: Lease) -> None:
+        # Runs in the finally of the task body: before Celery stores the result,
+        # so a caller that sees the result can enqueue the same call at once.
+        owned = True
+        try:
+            lock.release()
+        except LockNotOwned:
+            owned = False
+            logger.error("%s was lost before the task finished", lease.describe())
+        except RedisError as exc:
+            logger.warning(
+                "%s: release failed (%r); it expires within %ss", lease.describe(), exc, lease.ttl
+            )
+        else:
+            logger.debug("%s released", lease.describe())
+        signals.lock_released.send(
+            sender=self.task,
+            task_id=self.task.request.id,
+            key=lease.name,
+            fence=lease.fence,
+            owned=owned,
+        )
+
+    def _report_lost(self, lease: Lease, task_id: str) -> None:
+        # Runs on the watchdog thread; the lease has already logged the loss.
+        signals.lock_lost.send(
+            sender=self.task,
+            task_id=task_id,
+            key=lease.name,
+            fence=lease.fence,
+            reason=lease.loss_reason,
+        )
+
+    def _conflict(self, key: str, lock: Lock) -> NoReturn:
+        task, request = self.task, self.task.request
+        value, holder_ttl = lock.local.holder or (None, None)
+        holder = Holder.parse(value)
+        holder_id = holder.task_id if holder else None
+        if holder_id == request.id:
+            # A redelivery of this very task: its first delivery holds the lock,
+            # alive or dead. Skipping could lose the task for good (if the first
+            # delivery died) and running would run it twice at once: wait.
+            self._contended(key, holder, "requeue")
+            self._requeue(key, holder_id, holder_ttl, own=True)
+        action = self.options.on_conflict
+        self._contended(key, holder, action)
+        if action == "requeue":
+            self._requeue(key, holder_id, holder_ttl)
+        if action == "skip":
+            self._record_skip(key, holder)
+            raise Ignore()
+        raise LockNotAcquired(
+            f"task {task.name}[{request.id}] not run: {_describe(holder)} holds {key}",
+            lock_name=key,
+            holder=holder_id,
+            holder_ttl=holder_ttl,
+        )
+
+    def _contended(self, key: str, holder: Holder | None, action: str) -> None:
+        task, request = self.task, self.task.request
+        attempt = int(_header(request, REQUEUES_HEADER) or 0)
+        logger.info(
+            "task %s[%s]: %s holds lock %s; %s",
+            task.name,
+            request.id,
+            _describe(holder),
+            key,
+            action,
+        )
+        signals.lock_contended.send(
+            sender=task,
+            task_id=request.id,
+            key=key,
+            holder=holder.task_id if holder else None,
+            action=action,
+            attempt=attempt,
+        )
+
+    def _requeue(
+        self, key: str, holder_id: str | None, holder_ttl: float | None, own: bool = False
+    ) -> NoReturn:
+        """Publish this call again with a backoff delay, then end this run with ``Ignore``.
+
+        The publish happens before Celery acknowledges the message (under
+        ``acks_late``), so a crash in between leaves a duplicate, never a loss.
+        """
+        task, request = self.task, self.task.request
+        attempt = int(_header(request, REQUEUES_HEADER) or 0) + 1
+        if attempt > self.options.max_requeues:
+            raise LockNotAcquired(
+                f"task {task.name}[{request.id}] gave up after "
+                f"{self.options.max_requeues} requeues: lock {key} stayed held by {holder_id}",
+                lock_name=key,
+                holder=holder_id,
+                holder_ttl=holder_ttl,
+            )
+        delay = self._backoff(attempt)
+        if own and holder_ttl is not None:
+            # A dead first delivery frees the lock when its TTL runs out.
+            delay = min(delay, holder_ttl + 0.1)
+        headers = dict(request.headers or {})
+        headers[REQUEUES_HEADER] = attempt
+        if own:
+            headers[SELF_HEADER] = 1
+        task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+        raise Ignore()
+
+    def _backoff(self, attempt: int) -> float:
+        options = self.options
+        delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** (attempt - 1))
+        # Jitter spreads duplicates that collided once so they do not collide again.
+        return float(delay * (1 - options.requeue_jitter * random.random()))
+
+    def _record_skip(self, key: str, holder: Holder | None) -> None:
+        task, request = self.task, self.task.request
+        if task.ignore_result or isinstance(task.backend, DisabledBackend):
+            return
+        try:
+            task.update_state(
+                state=SKIPPED,
+                meta={
+                    "reason": "duplicate",
+                    "key": key,
+                    "holder": holder.task_id if holder else None,
+                    "holder_hostname": holder.hostname if holder else None,
+                },
+            )
+        except Exception:  # recording is a courtesy; the skip stands
+            logger.warning("task %s[%s]: could not record SKIPPED", task.name, request.id)
+
+    def _already_done(self, task_id: str) -> bool:
+        if isinstance(self.task.backend, DisabledBackend):
+            return False
+        try:
+            return self.task.AsyncResult(task_id).state in READY_STATES
+        except Exception:
+            return False
+
+    def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
+        task, request = self.task, self.task.request
+        policy = self.options.on_redis_error
+        logger.warning(
+            "task %s[%s]: lock store unreachable for %s (%r); %s",
+            task.name,
+            request.id,
+            key,
+            exc,
+            "running WITHOUT the lock" if policy == "run" else policy,
+        )
+        if policy == "run":
+            return body()
+        if policy == "requeue":
+            self._requeue(key, None, None)
+        raise LockError(f"lock store unreachable for {key}: {exc!r}", lock_name=key) from exc
+
+
+def _header(request: Any, name: str) -> Any:
+    headers = request.headers or {}
+    return headers.get(name, getattr(request, name, None))
+
+
+def _describe(holder: Holder | None) -> str:
+    if holder is None:
+        return "another holder"
+    return f"task {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
+
+
+_guards: weakref.WeakKeyDictionary[Any, TaskGuard] = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def client_for(app: Any) -> Any:
+    """Return this process's Redis client of the lock store of ``app``."""
+    url = lock_url(app.conf)
+    cached = _clients.get(app)
+    if cached is None or cached[0] != url:
+        # Timeouts bound how long a run waits on a broken Redis before its
+        # on_redis_error policy takes over; the URL's own query wins.
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        cached = _clients[app] = (url, client)
+    return cached[1]
+
+
+def guard_for(task: Any) -> TaskGuard:
+    """Return the guard of ``task``, building it on first use in this process."""
+    guard = _guards.get(task)
+    if guard is None:
+        guard = _guards[task] = TaskGuard(task, resolve(task, task.app.conf), client_for(task.app))
+    return guard

@@ -1,0 +1,30 @@
+"""Signals sent by celery-redlock, in Celery's own signal style.
+
+Connect with ``@lock_acquired.connect`` like any Celery signal. The sender is
+the task; every signal carries ``task_id`` and ``key``. Receivers run in the
+process that runs the task (the pool child under prefork); a receiver that
+raises is logged by Celery and does not affect the task.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+
+#: The task took its lock. Also sends ``fence`` and ``ttl``.
+lock_acquired = Signal(name="lock_acquired", providing_args={"task_id", "key", "fence", "ttl"})
+
+#: Another call holds the lock. ``action`` is what the task does about it
+#: (``"skip"``, ``"requeue"``, ``"raise"``, or ``"requeue"`` for a redelivered
+#: copy meeting its own lock); ``holder`` is the holder's task id, if known.
+lock_contended = Signal(
+    name="lock_contended", providing_args={"task_id", "key", "holder", "action", "attempt"}
+)
+
+#: The task released its lock; ``owned`` is False if it had been lost first.
+lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "fence", "owned"})
+
+#: The lock was lost while the task ran (expired, stolen, or Redis failed for
+#: longer than the TTL). Sent from the watchdog thread; ``reason`` says why.
+lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key", "fence", "reason"})

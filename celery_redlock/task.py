@@ -1,0 +1,78 @@
+"""``SingletonTask``: a Celery task base class whose calls never run twice at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from celery import Task
+
+from .conf import lock_url, resolve, validate_settings
+from .guard import guard_for
+from .keys import KeyBuilder, KeySpec
+
+__all__ = ["SingletonTask"]
+
+
+class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
+    """A task that takes a Redis lock keyed by its arguments before it runs.
+
+    Use it as ``@app.task(base=SingletonTask)``. Options are task attributes,
+    settable in the decorator; ``None`` means "use the app setting
+    ``redlock_<name>``, else the default" (see :class:`celery_redlock.conf.LockOptions`).
+
+    Attributes:
+        lock_ttl: Lock time to live in seconds; renewed while the task runs.
+        lock_key: ``None`` (all arguments), argument names, or ``(args, kwargs) -> str``.
+        lock_on_conflict: ``"skip"``, ``"requeue"`` or ``"raise"``.
+        lock_on_redis_error: ``"requeue"``, ``"run"`` or ``"raise"``.
+        lock_requeue_delay: First requeue delay in seconds.
+        lock_requeue_max_delay: Largest requeue delay in seconds.
+        lock_requeue_jitter: Share of each requeue delay drawn at random.
+        lock_max_requeues: Most requeues before the task fails.
+        lock_key_prefix: Prefix of the lock keys.
+    """
+
+    lock_ttl: ClassVar[float | None] = None
+    lock_key: ClassVar[KeySpec] = None
+    lock_on_conflict: ClassVar[str | None] = None
+    lock_on_redis_error: ClassVar[str | None] = None
+    lock_requeue_delay: ClassVar[float | None] = None
+    lock_requeue_max_delay: ClassVar[float | None] = None
+    lock_requeue_jitter: ClassVar[float | None] = None
+    lock_max_requeues: ClassVar[int | None] = None
+    lock_key_prefix: ClassVar[str | None] = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Validate the lock options when the task is bound, so bad values fail early.
+
+        This runs when the app is finalized: at worker start and before the
+        first publish.
+
+        Raises:
+            ConfigurationError: Naming the setting or task attribute at fault.
+        """
+        super().on_bound(app)
+        if cls.name is None:  # an abstract base class, not a task
+            return
+        conf = app.conf
+        validate_settings(conf)
+        options = resolve(cls, conf)
+        lock_url(conf)
+        KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task under its lock; a direct call (``task(...)``) runs it plainly."""
+        if self.request.called_directly:
+            return super().__call__(*args, **kwargs)
+        body: Callable[[], Any] = lambda: super(SingletonTask, self).__call__(*args, **kwargs)  # noqa: E731
+        return guard_for(self).run(args, kwargs, body)
+
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
+        """Return the lock key a call with these arguments would take.
+
+        Raises:
+            LockKeyError: If the arguments cannot make a key.
+        """
+        return guard_for(self).keys.key_for(args, kwargs)

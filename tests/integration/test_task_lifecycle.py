@@ -1,0 +1,374 @@
+"""SingletonTask through every outcome of a task's life, with an in-process worker.
+
+Each test builds a Celery app on a private redis-server (broker, results and
+locks), declares its tasks, and runs them on ``celery.contrib.testing``'s
+in-process worker. Outcomes that need a separate process to die or time out
+live in ``tests/integration/celery/``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, Reject
+
+from celery_redlock import SKIPPED, LockError, LockNotAcquired, SingletonTask, current_lock
+from celery_redlock import signals as redlock_signals
+
+
+@pytest.fixture
+def make_app(redis_server):
+    """Build a fresh app whose broker, backend and lock store are the private server."""
+
+    def make(**conf) -> Celery:
+        app = Celery(f"lifecycle-{uuid.uuid4().hex[:8]}", set_as_current=False)
+        settings = {
+            "broker_url": redis_server.url,
+            "result_backend": redis_server.url,
+            "task_default_queue": f"q-{uuid.uuid4().hex[:8]}",
+            "worker_hijack_root_logger": False,
+            "broker_connection_retry_on_startup": False,
+            "redlock_ttl": 5,
+        }
+        app.conf.update({**settings, **conf})
+        return app
+
+    return make
+
+
+@contextmanager
+def worker(app: Celery, pool: str = "threads", concurrency: int = 4):
+    with start_worker(
+        app, pool=pool, concurrency=concurrency, perform_ping_check=False, shutdown_timeout=10
+    ) as running:
+        yield running
+
+
+def lock_keys(redis_server) -> list[bytes]:
+    client = redis_server.client()
+    return [k for k in client.scan_iter("redlock:v1:*") if not k.endswith(b":fence")]
+
+
+def test_success_releases_before_the_result_is_visible(make_app, redis_server):
+    """A caller seeing the result can enqueue the same call at once and it runs."""
+    app = make_app()
+    runs: list[int] = []
+
+    @app.task(base=SingletonTask, name="t.quick")
+    def quick(x):
+        runs.append(x)
+        return current_lock().fence
+
+    with worker(app):
+        fences = [quick.delay(1).get(timeout=10) for _ in range(10)]
+    assert runs == [1] * 10
+    assert fences == sorted(set(fences))
+    assert lock_keys(redis_server) == []
+
+
+def test_failure_releases(make_app, redis_server):
+    """A task that raises releases its lock and fails normally."""
+    app = make_app()
+
+    @app.task(base=SingletonTask, name="t.boom")
+    def boom():
+        raise ValueError("boom")
+
+    with worker(app):
+        result = boom.delay()
+        with pytest.raises(ValueError):
+            result.get(timeout=10)
+    assert lock_keys(redis_server) == []
+
+
+def test_retry_is_not_blocked_by_its_own_lock(make_app, redis_server):
+    """self.retry() republishes the same id; the retry runs instead of meeting its own lock."""
+    app = make_app()
+    attempts: list[int] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.flaky", max_retries=3)
+    def flaky(self, x):
+        attempts.append(self.request.retries)
+        if self.request.retries < 2:
+            raise self.retry(countdown=0)
+        return "done"
+
+    with worker(app):
+        assert flaky.delay(1).get(timeout=30) == "done"
+    assert attempts == [0, 1, 2]
+    assert lock_keys(redis_server) == []
+
+
+def test_autoretry_runs_every_attempt_and_releases(make_app, redis_server):
+    """autoretry_for retries run under the lock, one after another, and end released."""
+    app = make_app()
+    attempts: list[int] = []
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        name="t.auto",
+        autoretry_for=(KeyError,),
+        retry_backoff=False,
+        default_retry_delay=0,
+        max_retries=2,
+    )
+    def auto(self):
+        attempts.append(self.request.retries)
+        raise KeyError("again")
+
+    with worker(app), pytest.raises(KeyError):
+        auto.delay().get(timeout=30)
+    assert attempts == [0, 1, 2]
+    assert lock_keys(redis_server) == []
+
+
+@pytest.mark.parametrize("outcome", ["reject", "ignore"])
+def test_reject_and_ignore_release(make_app, redis_server, outcome):
+    """Reject and Ignore end the run without a result, and the lock is released."""
+    app = make_app()
+    done = threading.Event()
+
+    @app.task(base=SingletonTask, name=f"t.{outcome}")
+    def ends():
+        done.set()
+        raise Reject("no", requeue=False) if outcome == "reject" else Ignore()
+
+    with worker(app):
+        ends.delay()
+        assert done.wait(10)
+        deadline = time.monotonic() + 5
+        while lock_keys(redis_server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert lock_keys(redis_server) == []
+
+
+def test_skip_records_a_distinct_state_naming_the_holder(make_app, redis_server):
+    """A duplicate under skip ends SKIPPED with the holder's id, never as SUCCESS."""
+    app = make_app()
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, name="t.hold")
+    def hold(x):
+        started.set()
+        finish.wait(10)
+        return x
+
+    with worker(app):
+        first = hold.delay(7)
+        assert started.wait(10)
+        second = hold.delay(7)
+        deadline = time.monotonic() + 10
+        while second.state != SKIPPED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.state == SKIPPED
+        assert second.info["holder"] == first.id
+        assert second.info["key"] == hold.lock_key_for(7)
+        other = hold.delay(8)  # another signature is not a duplicate
+        finish.set()
+        assert first.get(timeout=10) == 7
+        assert other.get(timeout=10) == 8
+
+
+def test_raise_fails_with_lock_not_acquired_naming_the_holder(make_app):
+    """Under raise, a duplicate fails with LockNotAcquired that names the holder."""
+    app = make_app(redlock_on_conflict="raise")
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, name="t.exclusive")
+    def exclusive():
+        started.set()
+        finish.wait(10)
+
+    with worker(app):
+        first = exclusive.delay()
+        assert started.wait(10)
+        second = exclusive.delay()
+        with pytest.raises(LockNotAcquired) as info:
+            second.get(timeout=10)
+        assert first.id in str(info.value)
+        finish.set()
+        first.get(timeout=10)
+
+
+def test_requeue_keeps_id_arguments_queue_priority_and_headers(make_app):
+    """A requeued duplicate is the same message again: id, args, queue, priority, headers."""
+    app = make_app(redlock_on_conflict="requeue", redlock_requeue_delay=0.05)
+    started, finish = threading.Event(), threading.Event()
+    seen: list[dict] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.serial")
+    def serial(self, x, *, tag=None):
+        seen.append(
+            {
+                "id": self.request.id,
+                "args": list(self.request.args),
+                "kwargs": dict(self.request.kwargs),
+                "queue": self.request.delivery_info.get("routing_key"),
+                "priority": self.request.delivery_info.get("priority"),
+                "custom": (self.request.headers or {}).get("x_custom"),
+                "requeues": (self.request.headers or {}).get("x_redlock_requeues"),
+            }
+        )
+        started.set()
+        finish.wait(10)
+        return x
+
+    with worker(app):
+        first = serial.delay(1, tag="a")
+        assert started.wait(10)
+        second = serial.apply_async((1,), {"tag": "a"}, priority=3, headers={"x_custom": "kept"})
+        time.sleep(0.5)
+        finish.set()
+        assert first.get(timeout=10) == 1
+        assert second.get(timeout=20) == 1
+    assert len(seen) == 2
+    requeued = seen[1]
+    assert requeued["id"] == second.id
+    assert requeued["args"] == [1]
+    assert requeued["kwargs"] == {"tag": "a"}
+    assert requeued["queue"] == app.conf.task_default_queue
+    assert requeued["priority"] == 3
+    assert requeued["custom"] == "kept"
+    assert requeued["requeues"] >= 1
+
+
+def test_requeues_are_bounded_with_a_clear_final_failure(make_app):
+    """When requeues run out the task fails with LockNotAcquired, it does not vanish."""
+    app = make_app(
+        redlock_on_conflict="requeue",
+        redlock_requeue_delay=0.01,
+        redlock_requeue_max_delay=0.02,
+        redlock_max_requeues=3,
+    )
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, name="t.stuck", max_retries=0)
+    def stuck():
+        started.set()
+        finish.wait(15)
+
+    with worker(app):
+        first = stuck.delay()
+        assert started.wait(10)
+        second = stuck.delay()
+        with pytest.raises(LockNotAcquired, match="gave up after 3 requeues"):
+            second.get(timeout=10)
+        finish.set()
+        first.get(timeout=10)
+
+
+def test_current_lock_is_per_request_in_a_thread_pool(make_app):
+    """Concurrent runs of one task in threads each see their own lock, key and fence."""
+    app = make_app()
+    barrier = threading.Barrier(4, timeout=10)
+    seen: dict[int, tuple] = {}
+
+    @app.task(base=SingletonTask, name="t.parallel")
+    def parallel(x):
+        lease = current_lock()
+        barrier.wait()  # all four hold their locks at once
+        seen[x] = (lease.name, lease.fence, current_lock() is lease)
+        return x
+
+    with worker(app, concurrency=4):
+        results = [parallel.delay(i) for i in range(4)]
+        assert [r.get(timeout=15) for r in results] == [0, 1, 2, 3]
+    assert {seen[i][0] for i in range(4)} == {parallel.lock_key_for(i) for i in range(4)}
+    assert all(same for *_, same in seen.values())
+
+
+def test_signals_report_acquire_contention_release_and_loss(make_app, redis_server):
+    """lock_acquired, lock_contended, lock_released and lock_lost fire with their details."""
+    app = make_app(redlock_ttl=0.6)
+    events: list[tuple] = []
+    started, finish = threading.Event(), threading.Event()
+    client = redis_server.client()
+
+    def recorder(name):
+        def receive(sender=None, **kwargs):
+            events.append((name, kwargs))
+
+        return receive
+
+    receivers = {name: recorder(name) for name in ("acquired", "contended", "released", "lost")}
+    for name, receiver in receivers.items():
+        getattr(redlock_signals, f"lock_{name}").connect(receiver, weak=False)
+
+    @app.task(base=SingletonTask, name="t.signals")
+    def watched():
+        started.set()
+        finish.wait(10)
+        return current_lock().lost
+
+    try:
+        with worker(app):
+            first = watched.delay()
+            assert started.wait(10)
+            watched.delay()
+            deadline = time.monotonic() + 5
+            while not any(n == "contended" for n, _ in events) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            client.delete(watched.lock_key_for())  # steal it: the next renewal notices
+            deadline = time.monotonic() + 5
+            while not any(n == "lost" for n, _ in events) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            finish.set()
+            assert first.get(timeout=10) is True
+    finally:
+        for name, receiver in receivers.items():
+            getattr(redlock_signals, f"lock_{name}").disconnect(receiver)
+    by_name = {name: kwargs for name, kwargs in events}
+    key = watched.lock_key_for()
+    assert by_name["acquired"]["task_id"] == first.id and by_name["acquired"]["key"] == key
+    assert by_name["contended"]["holder"] == first.id
+    assert by_name["contended"]["action"] == "skip"
+    assert by_name["lost"]["task_id"] == first.id and by_name["lost"]["fence"]
+    assert by_name["released"]["owned"] is False
+
+
+@pytest.fixture
+def lock_store(redis_servers):
+    (server,) = redis_servers(1)
+    return server
+
+
+@pytest.mark.parametrize("policy", ["requeue", "run", "raise"])
+def test_redis_unreachable_at_acquire_follows_on_redis_error(make_app, lock_store, policy):
+    """With the lock store down: requeue waits for it, run runs unprotected, raise fails."""
+    app = make_app(
+        redlock_url=lock_store.url + "?socket_connect_timeout=0.2&socket_timeout=0.2",
+        redlock_on_redis_error=policy,
+        redlock_requeue_delay=0.2,
+        redlock_requeue_max_delay=0.4,
+    )
+    runs: list[bool] = []
+
+    @app.task(base=SingletonTask, name=f"t.store_{policy}")
+    def guarded():
+        runs.append(current_lock() is not None)
+        return "ran"
+
+    lock_store.pause()  # connections open, nothing answered: the worst kind of down
+    with worker(app):
+        result = guarded.delay()
+        if policy == "raise":
+            with pytest.raises(LockError, match="unreachable"):
+                result.get(timeout=10)
+            assert runs == []
+        elif policy == "run":
+            assert result.get(timeout=10) == "ran"
+            assert runs == [False]
+        else:
+            time.sleep(1.0)
+            assert runs == []  # nothing ran unprotected
+            assert result.state == "PENDING"  # and nothing was lost: it waits
+            lock_store.resume()
+            assert result.get(timeout=15) == "ran"
+            assert runs == [True]

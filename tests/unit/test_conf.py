@@ -1,0 +1,83 @@
+"""Option resolution: task attribute > app setting > default, with errors naming the source."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_redlock import ConfigurationError
+from celery_redlock.conf import LockOptions, lock_url, resolve, validate_settings
+
+
+class FakeTask:
+    name = "proj.task"
+
+
+def task_with(**attributes):
+    return type("Task", (FakeTask,), {f"lock_{k}": v for k, v in attributes.items()})
+
+
+def test_defaults_apply_without_settings():
+    """With nothing set, the documented defaults apply."""
+    assert resolve(FakeTask, {}) == LockOptions()
+
+
+def test_task_attribute_beats_app_setting_beats_default():
+    """One resolution order for every option."""
+    conf = {"redlock_ttl": 20, "redlock_on_conflict": "requeue"}
+    options = resolve(task_with(ttl=5), conf)
+    assert options.ttl == 5.0
+    assert options.on_conflict == "requeue"
+    assert options.on_redis_error == "requeue"
+
+
+@pytest.mark.parametrize(
+    ("attributes", "conf", "source"),
+    [
+        ({"ttl": 0}, {}, "proj.task.lock_ttl"),
+        ({}, {"redlock_ttl": "30"}, "redlock_ttl"),
+        ({"on_conflict": "drop"}, {}, "proj.task.lock_on_conflict"),
+        ({}, {"redlock_on_redis_error": "ignore"}, "redlock_on_redis_error"),
+        ({"requeue_jitter": 2}, {}, "proj.task.lock_requeue_jitter"),
+        ({"max_requeues": -1}, {}, "proj.task.lock_max_requeues"),
+        ({"key": 5}, {}, "proj.task.lock_key"),
+        ({}, {"redlock_key_prefix": "a{b}"}, "redlock_key_prefix"),
+        ({"requeue_delay": 10, "requeue_max_delay": 1}, {}, "redlock_requeue_max_delay"),
+    ],
+)
+def test_bad_values_name_their_source(attributes, conf, source):
+    """A bad value raises ConfigurationError naming the attribute or setting and the value."""
+    with pytest.raises(ConfigurationError) as info:
+        resolve(task_with(**attributes), conf)
+    assert info.value.setting == source
+    assert source in str(info.value)
+
+
+def test_misspelt_setting_is_rejected():
+    """A redlock_* setting that does not exist is an error, not silently ignored."""
+    with pytest.raises(ConfigurationError, match="redlock_tll"):
+        validate_settings({"redlock_tll": 5, "broker_url": "x"})
+    validate_settings({"redlock_ttl": 5, "redlock_url": "redis://"})
+
+
+@pytest.mark.parametrize(
+    ("conf", "url"),
+    [
+        ({"redlock_url": "redis://h:1/2"}, "redis://h:1/2"),
+        ({"broker_url": "redis://b:6379/0"}, "redis://b:6379/0"),
+        ({"broker_url": "rediss://b:6379/0;redis://c:6379/0"}, "rediss://b:6379/0"),
+        ({"broker_url": ["unix:///tmp/r.sock"]}, "unix:///tmp/r.sock"),
+    ],
+)
+def test_lock_url_falls_back_to_a_redis_broker(conf, url):
+    """redlock_url wins; otherwise a Redis broker URL serves."""
+    assert lock_url(conf) == url
+
+
+def test_lock_url_without_redis_anywhere_is_a_clear_error():
+    """An AMQP broker and no redlock_url fails naming the setting, password redacted."""
+    with pytest.raises(ConfigurationError) as info:
+        lock_url({"broker_url": "amqp://guest:secret@rabbit//"})
+    assert info.value.setting == "redlock_url"
+    assert "secret" not in str(info.value)
+    with pytest.raises(ConfigurationError, match="redis://"):
+        lock_url({"redlock_url": "http://x"})
