@@ -161,6 +161,9 @@ class TaskGuard:
             self._contended(key, holder, "requeue")
             self._requeue(key, holder_id, holder_ttl, own=True)
         action = self.options.on_conflict
+        if action == "requeue" and request.is_eager:
+            # An eager "requeue" would run again at once, inside this call.
+            action = "raise"
         self._contended(key, holder, action)
         if action == "requeue":
             self._requeue(key, holder_id, holder_ttl)
@@ -212,7 +215,7 @@ class TaskGuard:
                 holder=holder_id,
                 holder_ttl=holder_ttl,
             )
-        delay = self._backoff(attempt)
+        delay = requeue_delay(self.options, attempt, random.random())
         if own and holder_ttl is not None:
             # A dead first delivery frees the lock when its TTL runs out.
             delay = min(delay, holder_ttl + 0.1)
@@ -222,12 +225,6 @@ class TaskGuard:
             headers[SELF_HEADER] = 1
         task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
         raise Ignore()
-
-    def _backoff(self, attempt: int) -> float:
-        options = self.options
-        delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** (attempt - 1))
-        # Jitter spreads duplicates that collided once so they do not collide again.
-        return float(delay * (1 - options.requeue_jitter * random.random()))
 
     def _record_skip(self, key: str, holder: Holder | None) -> None:
         task, request = self.task, self.task.request
@@ -270,6 +267,18 @@ class TaskGuard:
         if policy == "requeue":
             self._requeue(key, None, None)
         raise LockError(f"lock store unreachable for {key}: {exc!r}", lock_name=key) from exc
+
+
+def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
+    """Return the countdown of requeue number ``attempt`` (1-based).
+
+    Exponential from ``requeue_delay``, capped at ``requeue_max_delay``; up to
+    ``requeue_jitter`` of it is taken off at random (``draw`` in [0, 1)) so that
+    duplicates that collided once do not collide again.
+    """
+    # The exponent is capped: 2**40 times any delay is past every sane cap.
+    delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** min(attempt - 1, 40))
+    return float(delay * (1 - options.requeue_jitter * draw))
 
 
 def _header(request: Any, name: str) -> Any:

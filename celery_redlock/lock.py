@@ -40,7 +40,7 @@ LostCallback = Callable[["Lease"], object]
 DEFAULT_DRIFT_FACTOR = 0.01
 #: Fixed part of the drift allowance, in seconds (Redlock's 2 ms).
 DRIFT_FLOOR = 0.002
-#: How long a fence key outlives its lock; see ``scripts.ACQUIRE``.
+#: Lifetime of a fence key from when it is seeded; see ``scripts.ACQUIRE``.
 DEFAULT_FENCE_RETENTION = 3600.0
 
 
@@ -228,7 +228,8 @@ class Lock:
             the watchdog thread; keep it short.
         fencing: Draw a fencing token on each acquisition (same round trip).
         fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Seconds the fence key outlives the lock.
+        fence_retention: Lifetime in seconds of a fence key once seeded; after it
+            expires, fences reseed from the server clock and still increase.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).

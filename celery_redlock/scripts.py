@@ -59,15 +59,17 @@ class Script:
 # KEYS[2]  fence key (same hash slot as the lock key)
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
-# ARGV[3]  how long the fence key outlives the lock, in milliseconds
+# ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
 # Returns  the fence (an integer > 0) when the lock was taken, otherwise the
 #          table {holder's PTTL in ms, holder's value}; PTTL is -2 and the value
 #          nil when the holder vanished between the two reads.
 #
-# The fence is max(last fence + 1, server time in microseconds). Seeding from
-# the server clock keeps fences increasing after the fence key expires or the
-# server restarts empty, so the fence key can carry a TTL and keys never pile
-# up; the stored value keeps them strictly increasing if the clock steps back.
+# Fences count up from a seed: the server clock in microseconds, taken when the
+# fence key is missing (first use, expiry, or a restart that lost it). The seed
+# exceeds every fence handed out before, because no name is acquired a million
+# times a second, so the fence key may expire and keys never pile up. In steady
+# state the fence is a plain INCR, which keeps fences strictly increasing even
+# if the server clock steps back.
 ACQUIRE = Script(
     "acquire",
     """
@@ -81,13 +83,12 @@ end
 if not taken then
   return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
 end
-local now = redis.call('TIME')
-local fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('GET', KEYS[2]))
-if last and last >= fence then
-  fence = last + 1
+local fence = redis.call('INCR', KEYS[2])
+if fence == 1 then
+  local now = redis.call('TIME')
+  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
 end
-redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ttl + tonumber(ARGV[3]))
 return fence
 """,
 )

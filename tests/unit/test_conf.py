@@ -6,6 +6,7 @@ import pytest
 
 from celery_redlock import ConfigurationError
 from celery_redlock.conf import LockOptions, lock_url, resolve, validate_settings
+from celery_redlock.guard import requeue_delay
 
 
 class FakeTask:
@@ -81,3 +82,19 @@ def test_lock_url_without_redis_anywhere_is_a_clear_error():
     assert "secret" not in str(info.value)
     with pytest.raises(ConfigurationError, match="redis://"):
         lock_url({"redlock_url": "http://x"})
+
+
+@pytest.mark.parametrize(
+    ("attempt", "draw", "expected"),
+    [(1, 0.0, 1.0), (2, 0.0, 2.0), (3, 0.0, 4.0), (7, 0.0, 60.0), (10_000, 0.0, 60.0)],
+)
+def test_requeue_delay_doubles_up_to_the_cap(attempt, draw, expected):
+    """Requeue delays grow exponentially, never past the cap, even after many requeues."""
+    assert requeue_delay(LockOptions(requeue_jitter=0.5), attempt, draw) == expected
+
+
+def test_requeue_jitter_takes_off_at_most_its_share():
+    """Jitter shortens a delay by at most requeue_jitter of it."""
+    options = LockOptions(requeue_delay=2.0, requeue_jitter=0.25)
+    assert requeue_delay(options, 1, 0.999999) == pytest.approx(1.5, abs=1e-5)
+    assert requeue_delay(LockOptions(requeue_jitter=0.0), 1, 0.9) == 1.0
