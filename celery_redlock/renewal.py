@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from .lock import Clock, Lease
@@ -186,7 +186,9 @@ class Watchdog:
         sent_at = self._clock()
         try:
             replies = self._send(client, chunks)
-        except RedisError as exc:
+        except Exception as exc:
+            # Whatever went wrong, the leases go back in the heap: dropping them
+            # would leave them neither renewed nor reported lost.
             self._schedule_retry(leases, exc)
             return
         for chunk, reply in zip(chunks, replies):
