@@ -1,0 +1,485 @@
+"""The demo driver: duplicate storms against a real Celery worker, then a summary.
+
+Run it with ``scripts/demo`` (or ``python -m example_project.demo`` from the
+repository root). It finds or starts a Redis (see :mod:`example_project.local_redis`),
+starts a prefork worker, and plays three scenarios:
+
+1. skip: 20 calls of ``sync_invoices(42)``; one runs, 19 are skipped.
+2. requeue: 5 calls of ``rebuild_report(7)``; all run, one after another.
+3. fencing: ``charge_card(99, ...)`` and a lock holder that stalls past its TTL;
+   the ledger refuses the stale holder's write.
+
+It exits 0 when every expectation holds, 1 when one fails, 2 when no Redis
+could be found. Whatever happens, it stops the worker (and a Redis it
+started) by pid and deletes this run's keys, and only those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import redis
+
+from celery_redlock import SKIPPED, Lock
+
+from .journal import Run, read_events, read_runs, server_time
+from .ledger import balance, record_charge
+from .local_redis import LocalRedis, NoRedisError, redacted, with_db
+from .worker import Worker
+
+#: The database of the demo's Redis that holds all its keys.
+DB = 12
+#: Every wait together must end within this many seconds of the start.
+TIME_BUDGET = 50.0
+#: How long the stale holder of scenario 3 keeps its lock without renewing it.
+STALE_TTL = 0.5
+
+SETTLED = {"SUCCESS", "FAILURE", "REVOKED", SKIPPED}
+
+
+class DemoFailure(Exception):
+    """Something the demo waited for did not happen."""
+
+
+class Progress:
+    """One status line: rewritten in place on a terminal, printed when done elsewhere.
+
+    Off a terminal (CI logs, pytest) a long wait still prints a line every 5 s.
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tty = sys.stdout.isatty()
+        self._printed_at = time.monotonic()
+
+    def update(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write(f"\r\033[K{self.label} {text}")
+            sys.stdout.flush()
+        elif time.monotonic() - self._printed_at >= 5:
+            print(f"{self.label} {text}", flush=True)
+            self._printed_at = time.monotonic()
+
+    def done(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\033[K")
+        print(f"{self.label} {text}", flush=True)
+
+
+@dataclass
+class Check:
+    ok: bool
+    text: str
+
+
+@dataclass
+class Step:
+    """What one scenario sent, and what became of it."""
+
+    label: str
+    policy: str
+    ids: list[str]
+    t0: float  # Redis clock when the first call was sent
+    began: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+    states: dict[str, str] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+    requeues: int = 0
+
+    def count(self, state: str) -> int:
+        return sum(1 for value in self.states.values() if value == state)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str) -> list[str]:
+    """Format rows under a header; ``align`` holds one ``<`` or ``>`` per column."""
+    cells = [[str(cell) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(width) if side == "<" else cell.rjust(width)
+            for cell, width, side in zip(row, widths, align)
+        ).rstrip()
+        for row in cells
+    ]
+
+
+@contextlib.contextmanager
+def uninterruptible() -> Iterator[None]:
+    """Ignore Ctrl-C while cleaning up, so a second one cannot leave a worker behind."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def delete_keys(client: redis.Redis, prefix: str) -> int:
+    """Delete every key under ``prefix`` (SCAN, never KEYS); return how many."""
+    deleted = 0
+    batch: list[str] = []
+    for key in client.scan_iter(match=f"{prefix}:*", count=500):
+        batch.append(key)
+        if len(batch) == 500:
+            deleted += client.delete(*batch)
+            batch.clear()
+    if batch:
+        deleted += client.delete(*batch)
+    return deleted
+
+
+class Demo:
+    """The three scenarios, run against one worker.
+
+    Args:
+        client: A client of the demo's database (``decode_responses=True``).
+        prefix: This run's key prefix.
+        tasks: The imported :mod:`example_project.tasks`.
+        worker: The running worker.
+        deadline: ``time.monotonic()`` value by which every wait must be over.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        tasks: ModuleType,
+        worker: Worker,
+        deadline: float,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.tasks = tasks
+        self.app = tasks.app
+        self.worker = worker
+        self.deadline = deadline
+        self.checks: list[Check] = []
+        self.fencing_lines: list[str] = []
+
+    # -- waiting ---------------------------------------------------------------------
+
+    def wait_for(self, label: str, poll: Callable[[], tuple[bool, str]], timeout: float) -> float:
+        """Poll until ``poll()`` says done, showing its status; return the seconds waited.
+
+        Raises:
+            DemoFailure: On timeout, or if the worker exits meanwhile.
+        """
+        progress = Progress(label)
+        began = time.monotonic()
+        limit = min(began + timeout, self.deadline)
+        while True:
+            done, status = poll()
+            now = time.monotonic()
+            if done:
+                progress.done(f"{status} ({now - began:.1f} s)")
+                return now - began
+            code = self.worker.exit_code()
+            if code is not None:
+                progress.done(f"{status}: the worker exited")
+                raise DemoFailure(f"the worker exited with code {code} during: {label.strip()}")
+            if now >= limit:
+                progress.done(f"{status}: gave up after {now - began:.0f} s")
+                raise DemoFailure(f"timed out after {now - began:.0f} s: {label.strip()}")
+            progress.update(f"{status} ({now - began:.1f} s)")
+            time.sleep(0.05)
+
+    def wait_for_key(self, label: str, key: str, states: tuple[str, str], timeout: float) -> None:
+        """Wait until ``key`` exists; ``states`` are the statuses shown before and after."""
+
+        def poll() -> tuple[bool, str]:
+            exists = bool(self.client.exists(key))
+            return exists, states[exists]
+
+        self.wait_for(label, poll, timeout)
+
+    def states(self, ids: Sequence[str]) -> dict[str, str]:
+        return {task_id: self.app.AsyncResult(task_id).state for task_id in ids}
+
+    def wait_settled(self, step: Step, label: str, timeout: float) -> None:
+        def poll() -> tuple[bool, str]:
+            step.states = self.states(step.ids)
+            done = sum(1 for state in step.states.values() if state in SETTLED)
+            requeues = self.requeues(step.ids)
+            parts = [f"{step.count('SUCCESS')} ran"]
+            if step.policy == "skip":
+                parts.append(f"{step.count(SKIPPED)} skipped")
+            else:
+                parts.append(f"{requeues} requeues")
+            parts.append(f"{len(step.ids) - done} waiting")
+            return done == len(step.ids), ", ".join(parts)
+
+        self.wait_for(label, poll, timeout)
+        step.seconds = time.monotonic() - step.began
+        ids = set(step.ids)
+        step.runs = [run for run in read_runs(self.client, self.prefix) if run.task_id in ids]
+        step.requeues = self.requeues(step.ids)
+
+    def requeues(self, ids: Sequence[str]) -> int:
+        wanted = set(ids)
+        return sum(
+            1
+            for event in read_events(self.client, self.prefix)
+            if event["action"] == "requeue" and event["task_id"] in wanted
+        )
+
+    def check(self, ok: bool, expected: str, got: str = "") -> None:
+        """Record an expectation; what was seen instead is shown only if it failed."""
+        self.checks.append(Check(ok, expected if ok or not got else f"{expected}; got {got}"))
+
+    # -- scenarios -------------------------------------------------------------------
+
+    def skip_storm(self) -> Step:
+        sync = self.tasks.sync_invoices
+        print("\n1. skip: 20 x sync_invoices(42), 19 of them sent while the first one runs")
+        step = Step("sync_invoices(42)", "skip", [], server_time(self.client))
+        first = sync.delay(42)
+        step.ids.append(first.id)
+        key = sync.lock_key_for(42)
+        self.wait_for_key("   first call takes its lock ...", key, ("waiting", "held"), timeout=15)
+        step.ids += [sync.delay(42).id for _ in range(19)]
+        self.wait_settled(step, "   20 calls settle ...", timeout=15)
+
+        runner = [run.task_id for run in step.runs]
+        metas = [self.app.AsyncResult(i).info for i in step.ids[1:]]
+        holders = {meta.get("holder") if isinstance(meta, dict) else None for meta in metas}
+        self.check(
+            runner == [first.id] and step.states[first.id] == "SUCCESS",
+            "sync_invoices(42): exactly 1 of 20 ran",
+            f"{len(runner)} runs, first call {step.states[first.id]}",
+        )
+        self.check(
+            step.count(SKIPPED) == 19 and holders == {first.id},
+            "sync_invoices(42): the other 19 were SKIPPED, naming the running call as holder",
+            f"{step.count(SKIPPED)} skipped, holders {sorted(map(str, holders))}",
+        )
+        return step
+
+    def requeue_storm(self) -> Step:
+        rebuild = self.tasks.rebuild_report
+        print("\n2. requeue: 5 x rebuild_report(7) sent at once")
+        step = Step("rebuild_report(7)", "requeue", [], server_time(self.client))
+        step.ids += [rebuild.delay(7).id for _ in range(5)]
+        self.wait_settled(step, "   5 calls run in turn ...", timeout=20)
+
+        runs = step.runs
+        fences = [run.fence for run in runs]
+        overlaps = [
+            f"{a.task_id[:8]}/{b.task_id[:8]}" for a, b in zip(runs, runs[1:]) if b.start < a.end
+        ]
+        self.check(
+            step.count("SUCCESS") == 5 and sorted(r.task_id for r in runs) == sorted(step.ids),
+            "rebuild_report(7): all 5 ran, each once",
+            f"{len(runs)} runs, {step.count('SUCCESS')} succeeded",
+        )
+        self.check(
+            not overlaps and all(run.holders == 1 for run in runs),
+            "rebuild_report(7): one at a time, no overlap",
+            f"overlapping: {', '.join(overlaps) or 'by the running counter'}",
+        )
+        self.check(
+            all(a < b for a, b in zip(fences, fences[1:])),
+            "rebuild_report(7): fences increase in run order",
+            str(fences),
+        )
+        return step
+
+    def fencing(self) -> Step:
+        charge = self.tasks.charge_card
+        say = self.fencing_lines.append
+        print("\n3. fencing: charge_card(99, ...) and a lock holder that stalls past its TTL")
+        step = Step("charge_card(99, ...)", "requeue", [], server_time(self.client))
+        first = charge.delay(99, 25)
+        step.ids.append(first.id)
+        self.wait_settled(step, "   charge_card(99, 25) ...", timeout=15)
+        one = first.result if step.states[first.id] == "SUCCESS" else {}
+        say(f"charge_card(99, 25)   fence {one.get('fence')}  accepted={one.get('accepted')}")
+
+        # The stale holder: a process that took charge_card(99)'s lock to book 40,
+        # then froze (a GC pause, SIGSTOP, a VM migration) before writing. It uses
+        # the library's own lock, without renewal, so the lock expires under it.
+        stale = Lock(self.client, charge.lock_key_for(99, 40), timeout=STALE_TTL)
+        if not stale.acquire(blocking=False):
+            raise DemoFailure("the stale holder could not take charge_card(99)'s lock")
+        stale_fence = stale.fence
+        say(f"stale holder          fence {stale_fence}  took the lock, froze (TTL {STALE_TTL} s)")
+
+        # The charge is retried, as a queue would redeliver it; it waits out the lock.
+        second = charge.delay(99, 40)
+        step.ids.append(second.id)
+        self.wait_settled(step, "   charge_card(99, 40) while it is frozen ...", timeout=15)
+        two = second.result if step.states[second.id] == "SUCCESS" else {}
+        requeues = self.requeues([second.id])
+        waited = (
+            f"requeued {requeues} x until the stale lock expired"
+            if requeues
+            else "the stale lock had expired before it arrived"
+        )
+        say(f"charge_card(99, 40)   fence {two.get('fence')}  accepted={two.get('accepted')}")
+        say(f"                      ({waited})")
+
+        # The frozen holder wakes up and books its 40, with the fence it was given.
+        write = record_charge(self.client, self.prefix, 99, 40, fence=stale_fence, writer="stale")
+        say(
+            f"stale holder wakes    fence {stale_fence}  accepted={write.accepted}"
+            f"  (the ledger has seen fence {write.fence})"
+        )
+        total = balance(self.client, self.prefix, 99)
+        say(f"ledger balance of account 99: {total} (25 + 40; the stale 40 was not booked twice)")
+
+        self.check(
+            bool(one.get("accepted")) and bool(two.get("accepted")),
+            "charge_card(99): both charges booked",
+            f"{one or 'no result'} / {two or 'no result'}",
+        )
+        self.check(
+            not write.accepted and two.get("fence", 0) > stale_fence > one.get("fence", 0),
+            "charge_card(99): the stale holder's write, with its older fence, was refused",
+            f"accepted={write.accepted}, fences {one.get('fence')} < {stale_fence} "
+            f"< {two.get('fence')}?",
+        )
+        self.check(total == 65, "charge_card(99): balance is 65, not 105", str(total))
+        return step
+
+    # -- report ----------------------------------------------------------------------
+
+    def report(self, steps: Sequence[Step]) -> None:
+        print("\nSummary")
+        rows = [
+            (
+                step.label,
+                step.policy,
+                len(step.ids),
+                len(step.runs),
+                step.count(SKIPPED),
+                step.requeues,
+                f"{step.seconds:.1f} s",
+            )
+            for step in steps
+        ]
+        header = ("task", "on conflict", "sent", "ran", "skipped", "requeues", "took")
+        for line in table(header, rows, "<<>>>>>"):
+            print(f"  {line}")
+
+        print("\nRuns (seconds from the step's first call, by the Redis clock)")
+        rows = []
+        for step in steps:
+            for run in step.runs:
+                args = ", ".join(str(arg) for arg in run.args)
+                rows.append(
+                    (
+                        f"{run.task}({args})",
+                        run.task_id[:8],
+                        run.pid,
+                        f"+{run.start - step.t0:.2f}",
+                        f"+{run.end - step.t0:.2f}",
+                        run.fence,
+                    )
+                )
+        header = ("run", "task id", "pid", "start", "end", "fence")
+        for line in table(header, rows, "<<>>>>"):
+            print(f"  {line}")
+
+        print("\nFencing")
+        for line in self.fencing_lines:
+            print(f"  {line}")
+
+        print("\nChecks")
+        for check in self.checks:
+            print(f"  {'ok  ' if check.ok else 'FAIL'}  {check.text}")
+
+
+def run(server: LocalRedis, started: float) -> str | None:
+    """Play the demo on ``server``; return what failed, or ``None`` if all went as expected."""
+    url = with_db(server.url, DB)
+    prefix = f"invoice-demo:{secrets.token_hex(3)}"
+    # The app reads these when it is imported, in this process and in the worker.
+    os.environ["DEMO_REDIS_URL"] = url
+    os.environ["DEMO_KEY_PREFIX"] = prefix
+    from . import tasks
+    from .celery_app import QUEUE, ready_key
+
+    print(f"Redis    {redacted(url)}")
+    print(f"         {server.origin}; this run's keys: {prefix}:*")
+    client = redis.Redis.from_url(url, decode_responses=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="invoice-demo-"))
+    worker = Worker(
+        {"DEMO_REDIS_URL": url, "DEMO_KEY_PREFIX": prefix},
+        queue=QUEUE,
+        log_path=log_dir / "worker.log",
+    )
+    demo = Demo(client, prefix, tasks, worker, deadline=started + TIME_BUDGET)
+    failure: str | None = None
+    try:
+        worker.start()
+        demo.wait_for_key(
+            f"Worker   prefork x{worker.concurrency}, queue {QUEUE}, pid {worker.pid} ...",
+            ready_key(),
+            ("starting", "ready"),
+            timeout=30,
+        )
+        steps = [demo.skip_storm(), demo.requeue_storm(), demo.fencing()]
+        demo.report(steps)
+    except DemoFailure as exc:
+        failure = str(exc)
+    except BaseException:  # Ctrl-C, SIGTERM or a bug: the traceback says more than the log
+        shutil.rmtree(log_dir, ignore_errors=True)
+        raise
+    finally:
+        with uninterruptible():
+            worker.stop()
+            deleted = delete_keys(client, prefix)
+            client.close()
+            print(f"\nCleanup  worker stopped; {deleted} keys under {prefix}:* deleted (db {DB})")
+
+    failure = failure or "; ".join(check.text for check in demo.checks if not check.ok) or None
+    if failure is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        print(f"\nThe worker's log is {worker.log_path}; its last lines:\n{worker.log_tail()}\n")
+    return failure
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the demo; see the module docstring for what it does and its exit codes."""
+    parser = argparse.ArgumentParser(
+        prog="scripts/demo",
+        description="celery-redlock demo: an invoice-sync service on a real Celery worker. "
+        "Set REDIS_URL to choose the Redis server; the demo uses its db 12.",
+    )
+    parser.parse_args(argv)
+    started = time.monotonic()
+    # SIGTERM unwinds like Ctrl-C does, so the worker and the keys are cleaned up.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print("celery-redlock demo: an invoice-sync service on a real Celery worker\n")
+    try:
+        with LocalRedis() as server:
+            failure = run(server, started)
+        if server.pid is not None:
+            print(f"Redis    stopped the private server (pid {server.pid})")
+    except NoRedisError as exc:
+        print(f"FAIL     no Redis: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted")
+        return 130
+    if failure is not None:
+        print(f"FAIL     {failure}")
+        return 1
+    print(f"PASS     in {time.monotonic() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
