@@ -61,8 +61,8 @@ class Script:
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
 # ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
 # Returns  the fence (an integer > 0) when the lock was taken, otherwise the
-#          table {holder's PTTL in ms, holder's value}; PTTL is -2 and the value
-#          nil when the holder vanished between the two reads.
+#          table {holder's PTTL in ms (-1: no expiry), holder's value}. A script
+#          runs atomically, so the holder cannot vanish between SET and reads.
 #
 # Fences count up from a seed: the server clock in microseconds, taken when the
 # fence key is missing (first use, expiry, or a restart that lost it). The seed
