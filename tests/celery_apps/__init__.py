@@ -1,0 +1,1 @@
+"""Celery apps that the worker tests run in real ``celery worker`` processes."""
