@@ -23,6 +23,7 @@ first access of ``app``; tests build their own with :func:`create_app`.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -92,8 +93,11 @@ def create_app(env: Mapping[str, str]) -> Celery:
         result_serializer="json",
         accept_content=["json"],
         result_expires=3600,
+        # A killed pool child is reported after this long (default 10 s).
+        worker_lost_wait=1.0,
     )
     _register_tasks(app)
+    _register_lifecycle_tasks(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
@@ -222,6 +226,76 @@ def _register_tasks(app: Celery) -> None:
             }
             recorder.extra.update(report)
         return report
+
+
+def started_key(prefix: str) -> str:
+    """The Redis list of (task id, pid, fence, time) that lifecycle tasks push when they start."""
+    return f"{prefix}:started"
+
+
+def _announce_start(task: Task) -> None:
+    # Pushed at the start, unlike the history record written at the end, so a
+    # test can find (and kill) the process running a task that never ends.
+    lease = current_lock()
+    record = {"task_id": task.request.id, "pid": os.getpid(), "time": time.time()}
+    record["fence"] = lease.fence if lease is not None else None
+    _history_client(task).rpush(started_key(task.app.conf.redlock_key_prefix), json.dumps(record))
+
+
+def _register_lifecycle_tasks(app: Celery) -> None:
+    """Tasks that die, time out or are revoked mid-run (tests/integration/celery/test_lifecycle)."""
+
+    def wait_for_gate(task: Task, gate: str) -> None:
+        _announce_start(task)
+        with _recording(task) as recorder:
+            _sleep_then_wait(task, recorder, 0, gate)
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="storm.mortal",
+        # Longer than worker_lost_wait: the redelivered copy meets the dead copy's lock.
+        lock_ttl=10,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def mortal(self: Task, x: Any, gate: str) -> Any:
+        """Wait for ``gate``; acks late, and a lost worker puts the message back."""
+        wait_for_gate(self, gate)
+        return x
+
+    @app.task(base=SingletonTask, bind=True, shared=False, name="storm.mortal_early", lock_ttl=2)
+    def mortal_early(self: Task, x: Any, gate: str) -> Any:
+        """Wait for ``gate``; acked when it starts, so a killed run is gone for good."""
+        wait_for_gate(self, gate)
+        return x
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="storm.soft_limited",
+        lock_ttl=30,
+        soft_time_limit=0.5,
+    )
+    def soft_limited(self: Task, seconds: float) -> None:
+        """Sleep past a 0.5 s soft time limit, under a TTL too long to explain a release."""
+        _announce_start(self)
+        time.sleep(seconds)
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="storm.hard_limited",
+        lock_ttl=2,
+        time_limit=1,
+    )
+    def hard_limited(self: Task, seconds: float) -> None:
+        """Sleep past a 1 s hard time limit: the child is killed mid-run."""
+        _announce_start(self)
+        time.sleep(seconds)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,180 @@
+"""Outcomes that need a real pool child to time out, be revoked, or die, on prefork workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from tests.celery_apps.storm import started_key
+from tests.celery_harness import History, wait_until
+from tests.integration.celery.conftest import WorkerFactory
+
+
+def started(db9: redis.Redis, prefix: str, task_id: str) -> list[dict[str, Any]]:
+    """The start announcements of ``task_id``, oldest first."""
+    records = [json.loads(raw) for raw in db9.lrange(started_key(prefix), 0, -1)]
+    return [record for record in records if record["task_id"] == task_id]
+
+
+def wait_started(db9: redis.Redis, prefix: str, task_id: str, count: int = 1) -> dict[str, Any]:
+    wait_until(
+        lambda: len(started(db9, prefix, task_id)) >= count,
+        timeout=20,
+        message=f"task {task_id} did not start {count} time(s)",
+    )
+    return started(db9, prefix, task_id)[count - 1]
+
+
+def wait_gone(db9: redis.Redis, key: str, timeout: float) -> float:
+    """Wait until ``key`` no longer exists; return how long that took."""
+    began = time.monotonic()
+    wait_until(lambda: not db9.exists(key), timeout=timeout, message=f"{key} still held")
+    return time.monotonic() - began
+
+
+@pytest.mark.timeout(60)
+def test_soft_time_limit_releases_at_once(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """A soft time limit unwinds the task and releases its lock, long before its 30 s TTL."""
+    worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.soft_limited"]
+    result = task.delay(3)
+    with pytest.raises(SoftTimeLimitExceeded):
+        result.get(timeout=20)
+    assert not db9.exists(task.lock_key_for(3))
+
+
+@pytest.mark.timeout(60)
+def test_revoke_with_terminate_releases_and_a_duplicate_then_runs(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """revoke(terminate=True) frees the lock well inside its 10 s TTL; the next call runs."""
+    worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.hold"]
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    first = task.delay(1, 0, gate)
+    wait_started_via_lock(db9, task.lock_key_for(1, 0, gate))
+    storm_app.control.revoke(first.id, terminate=True)
+    assert wait_gone(db9, task.lock_key_for(1, 0, gate), timeout=5) < 5
+    db9.set(gate, 1)
+    assert task.delay(1, 0, gate).get(timeout=20) == 1
+
+
+def wait_started_via_lock(db9: redis.Redis, key: str) -> None:
+    wait_until(lambda: db9.exists(key), timeout=20, message=f"nobody took {key}")
+
+
+@pytest.mark.timeout(60)
+def test_hard_time_limit_frees_the_lock_within_its_ttl(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """A child killed by the hard time limit leaves a lock that expires within lock_ttl."""
+    worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.hard_limited"]
+    result = task.delay(10)
+    wait_started(db9, prefix, result.id)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=20)
+    # Killed at 1 s; no renewals after that, so the 2 s lock is gone by 3 s at the latest.
+    wait_gone(db9, task.lock_key_for(10), timeout=3)
+    again = task.delay(10)
+    wait_started(db9, prefix, again.id)  # the duplicate is not skipped: it runs
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_child_frees_the_lock_within_its_ttl(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """SIGKILL mid-run: renewals die with the child, the lock expires, a later call runs."""
+    worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.mortal_early"]
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    first = task.delay(1, gate)
+    victim = wait_started(db9, prefix, first.id)
+    key = task.lock_key_for(1, gate)
+    assert db9.exists(key)
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert wait_gone(db9, key, timeout=4) <= 2.5  # lock_ttl is 2 s
+    db9.set(gate, 1)
+    assert task.delay(1, gate).get(timeout=20) == 1
+
+
+@pytest.mark.timeout(90)
+def test_redelivery_after_sigkill_waits_for_the_dead_holder_then_runs(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+    history: History,
+) -> None:
+    """acks_late + a killed child: the redelivered copy meets its own lock, waits, and runs.
+
+    It must neither be skipped (the task would be lost) nor run while the dead
+    copy's lock is still valid.
+    """
+    worker = worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.mortal"]
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    result = task.delay(1, gate)
+    victim = wait_started(db9, prefix, result.id)
+    key = task.lock_key_for(1, gate)
+    lock_ttl_left = db9.pttl(key) / 1000
+    killed_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    db9.set(gate, 1)
+    assert result.get(timeout=40) == 1
+    second = wait_started(db9, prefix, result.id, count=2)
+    assert second["pid"] != victim["pid"]
+    # The redelivered copy started only once the dead copy's lock had expired.
+    assert second["time"] >= killed_at + lock_ttl_left - 0.2
+    assert second["fence"] > victim["fence"]
+    (execution,) = history.executions()  # only the second copy finished
+    assert execution.task_id == result.id
+    # It met its own task id as the holder, and was requeued rather than skipped.
+    assert f"[{result.id}]: task {result.id} (on " in worker.log()
+    assert "; requeue" in worker.log()
+
+
+@pytest.mark.timeout(90)
+def test_duplicate_delivery_while_the_first_runs_elsewhere_never_runs(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+    history: History,
+) -> None:
+    """A second delivery of a running task id waits, then is dropped once the first succeeded."""
+    first_worker, second_worker = worker_factory.start(
+        worker_factory.create("prefork", 2), worker_factory.create("solo", 1)
+    )
+    task = storm_app.tasks["storm.mortal"]
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    result = task.delay(1, gate)
+    wait_started(db9, prefix, result.id)
+    # What the broker does on a redelivery: the same message (same id) again.
+    task.apply_async((1, gate), task_id=result.id)
+    logs = lambda: first_worker.log() + second_worker.log()  # noqa: E731
+    wait_until(
+        lambda: f"[{result.id}]: task {result.id} (on " in logs(),
+        timeout=20,
+        message="the second delivery never met its own lock",
+    )
+    db9.set(gate, 1)
+    assert result.get(timeout=20) == 1
+    wait_until(
+        lambda: "an earlier delivery already ran it" in logs(),
+        timeout=20,
+        message="the second delivery was not dropped",
+    )
+    assert len(started(db9, prefix, result.id)) == 1
+    assert len(history.executions()) == 1
