@@ -16,6 +16,7 @@ from .exceptions import (
     RedlockError,
 )
 from .guard import SKIPPED, current_lock
+from .install import install
 from .lock import Lease, Lock, fence_key_for
 from .renewal import Watchdog, default_watchdog
 from .task import SingletonTask
@@ -36,6 +37,7 @@ __all__ = [
     "current_lock",
     "default_watchdog",
     "fence_key_for",
+    "install",
 ]
 
 __version__ = "0.1.0.dev0"

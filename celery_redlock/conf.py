@@ -22,7 +22,10 @@ __all__ = [
     "REDIS_ERROR_POLICIES",
     "SETTINGS",
     "LockOptions",
+    "check_settings",
     "lock_url",
+    "parse_queues",
+    "redact_url",
     "resolve",
     "validate_settings",
 ]
@@ -126,21 +129,34 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
 
 #: Every app-wide setting this package reads.
 SETTINGS = frozenset(
-    {"redlock_url"} | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
+    {"redlock_url", "redlock_queues"}
+    | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
 )
 
 
-def resolve(task: Any, conf: Mapping[str, Any]) -> LockOptions:
+def resolve(
+    task: Any,
+    conf: Mapping[str, Any],
+    queue: str | None = None,
+    queue_options: Mapping[str, Any] | None = None,
+) -> LockOptions:
     """Resolve and validate the lock options of ``task`` against the app's ``conf``.
+
+    Order: task attribute ``lock_<name>`` > the entry of the locked ``queue``
+    the call came from (``queue_options``) > setting ``redlock_<name>`` > default.
 
     Raises:
         ConfigurationError: Naming the task attribute or setting with a bad value.
     """
     defaults = LockOptions()
     values: dict[str, Any] = {}
+    queue_options = queue_options or {}
     for name, (validate, app_wide) in OPTIONS.items():
         value = getattr(task, f"lock_{name}", None)
         source = f"{task.name}.lock_{name}"
+        if value is None and name in queue_options:
+            value = queue_options[name]
+            source = f"redlock_queues[{queue!r}].{name}"
         if value is None and app_wide:
             value = conf.get(f"redlock_{name}")
             source = f"redlock_{name}"
@@ -155,6 +171,46 @@ def resolve(task: Any, conf: Mapping[str, Any]) -> LockOptions:
     return options
 
 
+def parse_queues(value: Any, setting: str = "redlock_queues") -> dict[str, dict[str, Any]]:
+    """Read ``redlock_queues`` (or the worker option): queue name -> lock options.
+
+    Accepts a comma-separated string, a list of names, or a mapping of names to
+    option mappings whose keys are the task option names without ``lock_``.
+
+    Raises:
+        ConfigurationError: Naming the setting, the queue and the bad part.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [name.strip() for name in value.split(",") if name.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        value = dict.fromkeys(value)
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            setting, value, "must be a list of queue names or a mapping of queue name -> options"
+        )
+    queues: dict[str, dict[str, Any]] = {}
+    for name, options in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(setting, name, "queue names must be non-empty strings")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(
+                f"{setting}[{name!r}]", options, "must be a mapping of options"
+            )
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigurationError(
+                f"{setting}[{name!r}]",
+                unknown,
+                f"unknown option(s); known: {', '.join(OPTIONS)}",
+            )
+        queues[name] = dict(options)
+    return queues
+
+
 def validate_settings(conf: Mapping[str, Any]) -> None:
     """Reject misspelt ``redlock_*`` settings, which would otherwise be ignored.
 
@@ -166,6 +222,28 @@ def validate_settings(conf: Mapping[str, Any]) -> None:
             raise ConfigurationError(
                 name, conf[name], f"is not a setting; known: {', '.join(sorted(SETTINGS))}"
             )
+
+
+class _QueueEntry:
+    """Stands in for a task when a queue's options are validated on their own."""
+
+    def __init__(self, queue: str) -> None:
+        self.name = f"<queue {queue}>"
+
+
+def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate every app-wide redlock setting; return the parsed ``redlock_queues``.
+
+    Raises:
+        ConfigurationError: Naming the first bad setting, queue or option.
+    """
+    validate_settings(conf)
+    lock_url(conf)
+    queues = parse_queues(conf.get("redlock_queues"))
+    for name, options in queues.items():
+        resolve(_QueueEntry(name), conf, name, options)
+    resolve(_QueueEntry("*"), conf)
+    return queues
 
 
 def lock_url(conf: Mapping[str, Any]) -> str:
@@ -192,12 +270,13 @@ def lock_url(conf: Mapping[str, Any]) -> str:
     raise ConfigurationError(
         "redlock_url",
         None,
-        f"is not set and the broker URL ({_redact(broker)}) is not a Redis URL; "
+        f"is not set and the broker URL ({redact_url(broker)}) is not a Redis URL; "
         "set redlock_url = 'redis://host:6379/0'",
     )
 
 
-def _redact(url: Any) -> str:
+def redact_url(url: Any) -> str:
+    """Return ``url`` with its password masked, for messages and logs."""
     if not isinstance(url, str):
         return repr(url)
     parts = urlsplit(url)

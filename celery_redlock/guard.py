@@ -292,7 +292,7 @@ def _describe(holder: Holder | None) -> str:
     return f"task {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
 
 
-_guards: weakref.WeakKeyDictionary[Any, TaskGuard] = weakref.WeakKeyDictionary()
+_guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
 _clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
 
 
@@ -308,9 +308,21 @@ def client_for(app: Any) -> Any:
     return cached[1]
 
 
-def guard_for(task: Any) -> TaskGuard:
-    """Return the guard of ``task``, building it on first use in this process."""
-    guard = _guards.get(task)
+def guard_for(
+    task: Any, queue: str | None = None, queue_options: Mapping[str, Any] | None = None
+) -> TaskGuard:
+    """Return the guard of ``task`` for calls from ``queue``, built on first use in this process.
+
+    Args:
+        task: The task.
+        queue: The locked queue the call came from, if any.
+        queue_options: That queue's entry of ``redlock_queues``.
+    """
+    per_queue = _guards.get(task)
+    if per_queue is None:
+        per_queue = _guards[task] = {}
+    guard = per_queue.get(queue)
     if guard is None:
-        guard = _guards[task] = TaskGuard(task, resolve(task, task.app.conf), client_for(task.app))
+        options = resolve(task, task.app.conf, queue, queue_options)
+        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app))
     return guard

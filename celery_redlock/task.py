@@ -10,6 +10,7 @@ from celery import Task
 from .conf import lock_url, resolve, validate_settings
 from .guard import guard_for
 from .keys import KeyBuilder, KeySpec
+from .queues import locked_queue
 
 __all__ = ["SingletonTask"]
 
@@ -43,6 +44,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_max_requeues: ClassVar[int | None] = None
     lock_key_prefix: ClassVar[str | None] = None
 
+    # Per-queue locking must not wrap this task's body: it locks itself, once.
+    __redlock_guarded__: ClassVar[bool] = True
+
     @classmethod
     def on_bound(cls, app: Any) -> None:
         """Validate the lock options when the task is bound, so bad values fail early.
@@ -67,7 +71,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         if self.request.called_directly:
             return super().__call__(*args, **kwargs)
         body: Callable[[], Any] = lambda: super(SingletonTask, self).__call__(*args, **kwargs)  # noqa: E731
-        return guard_for(self).run(args, kwargs, body)
+        # From a locked queue, that queue's options apply (below the task's own).
+        found = locked_queue(self)
+        guard = guard_for(self) if found is None else guard_for(self, *found)
+        return guard.run(args, kwargs, body)
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """Return the lock key a call with these arguments would take.

@@ -16,6 +16,8 @@ one module serves every test without sharing state between them:
     ``task_default_queue``.
 ``REDLOCK_TEST_ACKS_LATE``
     ``"1"`` sets ``task_acks_late``.
+``REDLOCK_TEST_QUEUES``
+    JSON of ``redlock_queues``, when set.
 
 ``celery -A tests.celery_apps.storm`` builds the app from ``os.environ`` on
 first access of ``app``; tests build their own with :func:`create_app`.
@@ -96,8 +98,11 @@ def create_app(env: Mapping[str, str]) -> Celery:
         # A killed pool child is reported after this long (default 10 s).
         worker_lost_wait=1.0,
     )
+    if env.get("REDLOCK_TEST_QUEUES"):
+        app.conf.redlock_queues = json.loads(env["REDLOCK_TEST_QUEUES"])
     _register_tasks(app)
     _register_lifecycle_tasks(app)
+    _register_plain_tasks(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
@@ -240,6 +245,35 @@ def _announce_start(task: Task) -> None:
     record = {"task_id": task.request.id, "pid": os.getpid(), "time": time.time()}
     record["fence"] = lease.fence if lease is not None else None
     _history_client(task).rpush(started_key(task.app.conf.redlock_key_prefix), json.dumps(record))
+
+
+class _Unlocked:
+    """Stands in for the lease of a plain task that ran without a lock."""
+
+    fence = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _register_plain_tasks(app: Celery) -> None:
+    """Plain tasks, locked only when consumed from a locked queue (test_queues)."""
+
+    @app.task(bind=True, shared=False, name="storm.plain")
+    def plain(self: Task, x: Any, seconds: float, gate: str | None = None) -> Any:
+        """Record the execution (lock or not); sleep, then wait for ``gate`` if given."""
+        lease = current_lock() or _Unlocked(f"unlocked:{x}")
+        with record_execution(
+            _history_client(self),
+            self.app.conf.redlock_key_prefix,
+            task_id=self.request.id,
+            name=self.name,
+            lease=lease,
+            hostname=self.request.hostname,
+        ) as recorder:
+            recorder.extra["locked"] = current_lock() is not None
+            _sleep_then_wait(self, recorder, seconds, gate)
+        return x
 
 
 def _register_lifecycle_tasks(app: Celery) -> None:

@@ -1,0 +1,144 @@
+"""install(app), the worker bootstep and its start-up checks, with in-process workers."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import uuid
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_redlock import ConfigurationError, SingletonTask, current_lock, install
+from celery_redlock import signals as redlock_signals
+from celery_redlock.bootsteps import RedlockStep, check_lock_store
+
+
+@pytest.fixture
+def app(redis_server) -> Celery:
+    app = Celery(f"install-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        task_default_queue="plain",
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def test_importing_connects_nothing():
+    """`import celery_redlock` adds no signal receivers and changes no Celery command."""
+    code = (
+        "import celery.signals as s, celery_redlock\n"
+        "from celery.bin.worker import worker\n"
+        "print(len(s.worker_init.receivers), "
+        "any(p.name == 'redlock_queues' for p in worker.params))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0", "False"]
+
+
+def test_installing_twice_is_harmless(app):
+    """A second install adds no second bootstep or worker option."""
+    install(app)
+    install(app)
+    assert [step for step in app.steps["worker"] if step is RedlockStep] == [RedlockStep]
+    options = [o for o in app.user_options["worker"] if o.name == "redlock_queues"]
+    assert len(options) <= 1
+
+
+def test_singleton_task_on_a_locked_queue_takes_one_lock_with_queue_options(app):
+    """Queue options apply below task attributes, and a SingletonTask is locked only once."""
+    app.conf.redlock_queues = {"locked": {"ttl": 7}}
+    install(app)
+    seen: dict[str, float] = {}
+    acquired: list[str] = []
+
+    @app.task(base=SingletonTask, name="t.queue_ttl")
+    def queue_ttl():
+        seen["queue_ttl"] = current_lock().ttl
+
+    @app.task(base=SingletonTask, name="t.own_ttl", lock_ttl=3)
+    def own_ttl():
+        seen["own_ttl"] = current_lock().ttl
+
+    @app.task(name="t.plain")
+    def plain():
+        seen["plain"] = current_lock().ttl
+
+    def count(sender=None, key=None, **kwargs):
+        acquired.append(key)
+
+    redlock_signals.lock_acquired.connect(count, weak=False)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, queues=["plain", "locked"]):
+            for task in (queue_ttl, own_ttl, plain):
+                task.apply_async(queue="locked").get(timeout=10)
+    finally:
+        redlock_signals.lock_acquired.disconnect(count)
+    assert seen == {"queue_ttl": 7.0, "own_ttl": 3.0, "plain": 7.0}
+    assert len(acquired) == 3  # one lock per run, SingletonTask included
+
+
+def test_bad_configuration_fails_a_programmatic_worker_with_the_error(app):
+    """Outside the command line the bootstep raises ConfigurationError naming the setting."""
+    app.conf.redlock_queues = {"plain": {"on_conflict": "drop"}}
+    install(app)
+    worker = start_worker(app, pool="solo", perform_ping_check=False)
+    with pytest.raises(ConfigurationError, match=r"redlock_queues\['plain'\]\.on_conflict"), worker:
+        pass
+
+
+def test_lock_store_check_warns_when_locks_can_be_evicted(app, redis_server, caplog):
+    """A lock store that may evict keys under memory pressure is reported at worker start."""
+    client = redis_server.client()
+    client.config_set("maxmemory", "100mb")
+    client.config_set("maxmemory-policy", "volatile-lru")
+    with caplog.at_level(logging.INFO):
+        summary = check_lock_store(app)
+    assert "answers" in summary and "volatile-lru" in summary
+    assert "may evict lock keys" in caplog.text
+    client.config_set("maxmemory-policy", "noeviction")
+    assert "WARNING" not in check_lock_store(app)
+
+
+def test_unreachable_lock_store_is_reported_not_fatal(app, redis_servers, caplog):
+    """A lock store down at worker start is logged; tasks then follow on_redis_error."""
+    (store,) = redis_servers(1)
+    app.conf.redlock_url = store.url + "?socket_connect_timeout=0.2"
+    store.stop()
+    with caplog.at_level(logging.ERROR):
+        summary = check_lock_store(app)
+    assert "unreachable" in summary
+    assert "unreachable" in caplog.text
+
+
+def test_installed_worker_logs_its_locked_queues(app):
+    """At start the worker names the lock store and the queues it locks."""
+    app.conf.redlock_queues = ["plain"]
+    install(app)
+    started = threading.Event()
+
+    @app.task(name="t.noop")
+    def noop():
+        started.set()
+
+    # The in-process worker reconfigures the root logger, so listen on ours directly.
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("celery_redlock.bootsteps")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False):
+            noop.delay()
+            assert started.wait(10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert any("locking tasks from queue(s) plain" in line for line in lines)
+    assert any("answers" in line for line in lines)
