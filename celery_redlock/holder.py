@@ -19,6 +19,10 @@ _FORMAT = "v1"
 _SEPARATOR = "|"
 
 
+def _clean(field: str) -> str:
+    return field.replace(_SEPARATOR, "_")
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lock.
@@ -48,7 +52,12 @@ class Holder:
     def encode(self) -> str:
         """Return the value to store under the lock key."""
         fields = (_FORMAT, self.token, self.task_id, self.hostname, str(self.pid))
-        return _SEPARATOR.join(field.replace(_SEPARATOR, "_") for field in fields)
+        return _SEPARATOR.join(_clean(field) for field in fields)
+
+    @staticmethod
+    def fragment(task_id: str, hostname: str) -> str:
+        """Return the part of every value written for ``task_id`` on worker ``hostname``."""
+        return f"{_SEPARATOR}{_clean(task_id)}{_SEPARATOR}{_clean(hostname)}{_SEPARATOR}"
 
     @classmethod
     def parse(cls, value: str | bytes | None) -> Holder | None:

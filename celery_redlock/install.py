@@ -41,18 +41,21 @@ def install(app: Any) -> None:
     """Connect celery-redlock to the workers of ``app``.
 
     Adds the worker bootstep that validates the redlock settings at worker
-    start, checks the lock store and turns on per-queue locking, and the
+    start, checks the lock store and turns on per-queue locking; the
     ``--redlock-queues`` worker option (unless the ``celery redlock`` plugin
-    already added it). Call it from the module that creates the app; calling
-    it again does nothing.
+    already added it); and the signal handler that releases the lock of a
+    task killed by ``revoke(terminate=True, signal="SIGKILL")``. Call it from
+    the module that creates the app; calling it again does nothing.
     """
     if app in _installed:
         return
     _installed.add(app)
     from celery.bin.worker import worker as worker_command
 
+    from . import hooks
     from .bootsteps import RedlockStep
 
     if not any(param.name == WORKER_OPTION_NAME for param in worker_command.params):
         app.user_options["worker"].add(worker_option())
     app.steps["worker"].add(RedlockStep)
+    hooks.connect()

@@ -17,7 +17,7 @@ from typing import Any
 from .exceptions import ConfigurationError
 from .guard import guard_for
 
-__all__ = ["QueueLocks", "lock_plain_tasks", "locked_queue", "register"]
+__all__ = ["QueueLocks", "lock_plain_tasks", "locked_queue", "register", "registered"]
 
 #: Marks task classes that take their lock themselves (SingletonTask).
 GUARDED_ATTRIBUTE = "__redlock_guarded__"
@@ -71,6 +71,11 @@ _registry: weakref.WeakKeyDictionary[Any, QueueLocks] = weakref.WeakKeyDictionar
 def register(app: Any, locks: QueueLocks) -> None:
     """Make ``locks`` the queue locks of ``app`` in this process (and its forks)."""
     _registry[app] = locks
+
+
+def registered(app: Any) -> QueueLocks | None:
+    """Return the queue locks of ``app`` in this process, if its worker set them up."""
+    return _registry.get(app)
 
 
 def locked_queue(task: Any) -> tuple[str, Mapping[str, Any]] | None:

@@ -14,7 +14,7 @@ from typing import Any, Union
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "RELEASE", "RENEW", "Script"]
+__all__ = ["ACQUIRE", "RELEASE", "RELEASE_HELD_BY", "RENEW", "Script"]
 
 Arg = Union[str, bytes, int, float]
 
@@ -102,6 +102,23 @@ RELEASE = Script(
     "release",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+""",
+)
+
+# Delete a lock whose value names a given holder; for a worker cleaning up after
+# a pool process it killed, which cannot release its own lock any more.
+#
+# KEYS[1]  lock key
+# ARGV[1]  the holder's fragment of the value (see holder.Holder.fragment)
+# Returns  1 when the lock named that holder and is now deleted, 0 otherwise.
+RELEASE_HELD_BY = Script(
+    "release_held_by",
+    """
+local value = redis.call('GET', KEYS[1])
+if value and string.find(value, ARGV[1], 1, true) then
   return redis.call('DEL', KEYS[1])
 end
 return 0

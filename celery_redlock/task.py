@@ -52,7 +52,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """Validate the lock options when the task is bound, so bad values fail early.
 
         This runs when the app is finalized: at worker start and before the
-        first publish.
+        first publish. It also connects the signal handler that releases the
+        lock of a task killed by ``revoke(terminate=True, signal="SIGKILL")``.
 
         Raises:
             ConfigurationError: Naming the setting or task attribute at fault.
@@ -60,6 +61,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         super().on_bound(app)
         if cls.name is None:  # an abstract base class, not a task
             return
+        from . import hooks
+
+        hooks.connect()
         conf = app.conf
         validate_settings(conf)
         options = resolve(cls, conf)

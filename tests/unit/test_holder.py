@@ -29,3 +29,12 @@ def test_foreign_values_parse_as_unknown():
     assert Holder.parse(None) is None
     assert Holder.parse("plain-token") is None
     assert Holder.parse(b"v1|a|b|c|notapid") is None
+
+
+def test_fragment_names_exactly_one_task_on_one_worker():
+    """The fragment matches values of that task on that worker, and no other's."""
+    value = Holder.new("task-1", "w1@host").encode()
+    assert Holder.fragment("task-1", "w1@host") in value
+    assert Holder.fragment("task-1", "w2@host") not in value
+    assert Holder.fragment("task-12", "w1@host") not in Holder.new("task-1", "w1@host").encode()
+    assert Holder.fragment("task", "1|w1@host") not in value

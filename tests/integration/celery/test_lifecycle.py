@@ -70,6 +70,25 @@ def test_revoke_with_terminate_releases_and_a_duplicate_then_runs(
     assert task.delay(1, 0, gate).get(timeout=20) == 1
 
 
+@pytest.mark.timeout(60)
+def test_revoke_with_sigkill_releases_from_the_main_process(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """A child killed by revoke(signal=SIGKILL) cannot release; its worker does, at once."""
+    worker = worker_factory("prefork", 2)
+    task = storm_app.tasks["storm.hold"]
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    key = task.lock_key_for(1, 0, gate)
+    first = task.delay(1, 0, gate)
+    wait_started_via_lock(db9, key)
+    storm_app.control.revoke(first.id, terminate=True, signal="SIGKILL")
+    # Well inside the 10 s TTL, which is all that would free it otherwise.
+    assert wait_gone(db9, key, timeout=3) < 3
+    assert f"task storm.hold[{first.id}] was killed; released its lock" in worker.log()
+    db9.set(gate, 1)
+    assert task.delay(1, 0, gate).get(timeout=20) == 1
+
+
 def wait_started_via_lock(db9: redis.Redis, key: str) -> None:
     wait_until(lambda: db9.exists(key), timeout=20, message=f"nobody took {key}")
 

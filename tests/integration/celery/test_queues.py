@@ -178,18 +178,20 @@ def test_per_queue_requeue_serialises_without_loss(
     history.assert_fences_increase_per_key()
 
 
-def run_worker_cli(
-    env: dict[str, str], *args: str, timeout: float = 60
-) -> subprocess.CompletedProcess:
-    """Run ``celery -A <storm app> worker ...`` to completion (it is expected to exit)."""
+def run_celery(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP_MODULE, "worker", *args],
+        [sys.executable, "-m", "celery", "-A", APP_MODULE, *args],
         env={**os.environ, **env, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=60,
         cwd=REPO,
     )
+
+
+def run_worker_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """Run ``celery -A <storm app> worker ...`` to completion (it is expected to exit)."""
+    return run_celery(env, "worker", *args)
 
 
 @pytest.mark.parametrize("queue_config", ["typo"], indirect=True)
@@ -224,3 +226,23 @@ def test_worker_help_lists_the_option(storm_env: dict[str, str]) -> None:
     assert done.returncode == 0
     assert "--redlock-queues" in done.stdout
     assert "celery-redlock" in done.stdout
+
+
+@pytest.mark.parametrize("queue_config", ["mapping"], indirect=True)
+def test_redlock_check_reports_the_store_and_queues(
+    storm_env: dict[str, str], locked_queue: str
+) -> None:
+    """`celery redlock check` names the lock store and locked queues and exits 0."""
+    done = run_celery(storm_env, "redlock", "check")
+    assert done.returncode == 0, done.stderr
+    assert "lock store: redis://127.0.0.1:6379/9" in done.stdout
+    assert f"locked queues: {locked_queue}" in done.stdout
+    assert "answers" in done.stdout
+
+
+@pytest.mark.parametrize("queue_config", ["typo"], indirect=True)
+def test_redlock_check_fails_on_a_bad_setting(storm_env: dict[str, str]) -> None:
+    """`celery redlock check` exits 1 with the same one-line error a worker would print."""
+    done = run_celery(storm_env, "redlock", "check")
+    assert done.returncode == 1
+    assert "celery-redlock: configuration error: redlock_queues[" in done.stderr
