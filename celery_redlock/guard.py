@@ -81,8 +81,9 @@ class TaskGuard:
             LockKeyError: When the arguments cannot make a key.
         """
         task, request = self.task, self.task.request
+        task_id = request.id
         key = self.keys.key_for(args, kwargs)
-        label = f"task {task.name}[{request.id}]"
+        label = f"task {task.name}[{task_id}]"
         lock = Lock(
             self.client,
             key,
@@ -90,7 +91,9 @@ class TaskGuard:
             blocking=False,
             thread_local=False,
             auto_renew=True,
-            on_lost=lambda lease: self._report_lost(lease, request.id),
+            # Only the id: the lease outlives the run in the watchdog's heap,
+            # and the request would keep the call's arguments alive with it.
+            on_lost=lambda lease: self._report_lost(lease, task_id),
             label=label,
         )
         holder = Holder.new(request.id, request.hostname)
