@@ -165,8 +165,7 @@ class TaskGuard:
             self._requeue(key, holder_id, holder_ttl, own=True)
         action = self.options.on_conflict
         if action == "requeue" and request.is_eager:
-            # An eager "requeue" would run again at once, inside this call.
-            action = "raise"
+            action = "raise"  # see _requeue
         self._contended(key, holder, action)
         if action == "requeue":
             self._requeue(key, holder_id, holder_ttl)
@@ -205,12 +204,26 @@ class TaskGuard:
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
 
-        The publish happens before Celery acknowledges the message (under
-        ``acks_late``), so a crash in between leaves a duplicate, never a loss.
+        Under ``acks_late`` the publish happens before Celery acknowledges the
+        message, so a crash in between leaves a duplicate, never a loss.
+
+        Raises:
+            LockNotAcquired: For an eager call (a requeue would run it again at
+                once, inside this call), or when ``max_requeues`` ran out. A
+                redelivery meeting its own lock (``own``) never runs out: its
+                first delivery either finishes or dies, and the lock expires.
         """
         task, request = self.task, self.task.request
         attempt = int(_header(request, REQUEUES_HEADER) or 0) + 1
-        if attempt > self.options.max_requeues:
+        if request.is_eager:
+            raise LockNotAcquired(
+                f"task {task.name}[{request.id}] runs eagerly and cannot be requeued: "
+                f"lock {key} is held by {holder_id or 'another holder'} or unreachable",
+                lock_name=key,
+                holder=holder_id,
+                holder_ttl=holder_ttl,
+            )
+        if attempt > self.options.max_requeues and not own:
             raise LockNotAcquired(
                 f"task {task.name}[{request.id}] gave up after "
                 f"{self.options.max_requeues} requeues: lock {key} stayed held by {holder_id}",

@@ -42,6 +42,16 @@ class QueueLocks:
         unlocked_routes: dict[tuple[str, str], str] = {}
         for queue in consumed:
             exchange = queue.exchange.name if queue.exchange is not None else ""
+            kind = queue.exchange.type if queue.exchange is not None else "direct"
+            if queue.name in self.locked and exchange and kind != "direct":
+                # Topic, fanout and headers routes do not name one queue: a call
+                # could not tell whether it came from the locked one.
+                raise ConfigurationError(
+                    "redlock_queues",
+                    queue.name,
+                    f"is bound to {kind} exchange {exchange!r}; per-queue locking needs "
+                    "direct routing (lock the tasks with SingletonTask instead)",
+                )
             routes = {("", queue.name), (exchange or "", queue.routing_key or queue.name)}
             target = self._routes if queue.name in self.locked else unlocked_routes
             for route in routes:

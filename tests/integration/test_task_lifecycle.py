@@ -372,3 +372,54 @@ def test_redis_unreachable_at_acquire_follows_on_redis_error(make_app, lock_stor
             lock_store.resume()
             assert result.get(timeout=15) == "ran"
             assert runs == [True]
+
+
+def test_a_redelivery_meeting_its_own_lock_waits_beyond_max_requeues(make_app):
+    """Requeues of a copy whose own first delivery runs are not capped: no false FAILURE."""
+    app = make_app(redlock_requeue_delay=0.02, redlock_requeue_max_delay=0.05)
+    started, finish = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.own", lock_max_requeues=1)
+    def own(self):
+        runs.append(self.request.id)
+        started.set()
+        finish.wait(10)
+        return "first"
+
+    with worker(app):
+        first = own.delay()
+        assert started.wait(10)
+        own.apply_async(task_id=first.id)  # the broker delivering the same message again
+        time.sleep(0.5)  # many requeues, far beyond lock_max_requeues=1
+        assert first.state != "FAILURE"
+        finish.set()
+        assert first.get(timeout=10) == "first"
+        time.sleep(0.5)  # the copy meets a free lock, sees SUCCESS, and is dropped
+    assert runs == [first.id]
+    assert first.state == "SUCCESS"
+
+
+def test_eager_call_that_cannot_lock_fails_instead_of_recursing(make_app, lock_store):
+    """Eagerly, a requeue would re-run inside the call: it fails at once, never silently."""
+    app = make_app(
+        task_always_eager=True,
+        redlock_url=lock_store.url + "?socket_timeout=0.2&socket_connect_timeout=0.2",
+    )
+    runs: list[int] = []
+
+    @app.task(base=SingletonTask, name="t.eager")
+    def eager(x):
+        runs.append(x)
+
+    lock_store.pause()
+    try:
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired, match="cannot be requeued"):
+            eager.delay(1).get()
+        assert time.monotonic() - started < 3
+    finally:
+        lock_store.resume()
+    assert runs == []
+    eager.delay(2).get()
+    assert runs == [2]

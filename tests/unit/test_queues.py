@@ -62,3 +62,12 @@ def test_bad_queue_settings_name_the_culprit(value, setting):
     with pytest.raises(ConfigurationError) as info:
         parse_queues(value)
     assert info.value.setting == setting
+
+
+@pytest.mark.parametrize("kind", ["topic", "fanout", "headers"])
+def test_a_locked_queue_on_a_non_direct_exchange_is_refused(kind):
+    """Wildcard and broadcast routes cannot identify the queue: refuse at worker start."""
+    queue = Queue("reports", Exchange("tasks", type=kind), routing_key="reports.#")
+    with pytest.raises(ConfigurationError, match=f"{kind} exchange"):
+        QueueLocks({"reports": {}}, [queue])
+    QueueLocks({}, [queue])  # unlocked, it is none of our business
