@@ -112,3 +112,22 @@ def test_unreachable_server_raises_a_connection_error(redis_server):
     redis_server.stop()
     with pytest.raises(redis.exceptions.ConnectionError):
         Lock(client, "gone", timeout=1).acquire(blocking=False)
+
+
+def test_a_timed_out_reply_is_never_read_by_the_next_operation(redis_server):
+    """After a timeout the connection is dropped, so a late reply cannot answer a later call."""
+    client = redis_server.client(socket_timeout=0.3)
+    holder = Lock(client, "late", timeout=10)
+    assert holder.acquire(blocking=False)
+    redis_server.pause()
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            Lock(client, "late", timeout=10).acquire(blocking=False)  # its reply comes late
+    finally:
+        redis_server.resume()
+    # Were the late reply (a contended answer) read now, this release would misread it.
+    holder.release()
+    assert client.get("late") is None
+    other = Lock(client, "late", timeout=10)
+    assert other.acquire(blocking=False)
+    assert other.fence > holder.lease.fence
