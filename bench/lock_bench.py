@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import redis
 import redis.utils
-from results import write_section
+from results import as_section, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -783,13 +783,6 @@ def benchmark(port: int, args: argparse.Namespace) -> dict[str, Any]:
 RESULTS_HEADING = "## Lock: acquire + release"
 
 
-def as_section(markdown: str) -> str:
-    """Turn the standalone report into this benchmark's section of RESULTS.md."""
-    lines = markdown.splitlines()
-    lines[0] = RESULTS_HEADING
-    return "\n".join(f"#{line}" if line.startswith("## ") else line for line in lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -799,7 +792,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["wall_seconds"] = round(time.monotonic() - started, 1)
     print(report["markdown"])
     if str(args.results) != "-":
-        write_section(args.results, RESULTS_HEADING, as_section(report["markdown"]))
+        write_section(
+            args.results, RESULTS_HEADING, as_section(report["markdown"], RESULTS_HEADING)
+        )
         log(f"wrote {args.results}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

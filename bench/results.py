@@ -24,3 +24,10 @@ def write_section(path: Path, heading: str, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + body
     path.write_text(text)
+
+
+def as_section(markdown: str, heading: str) -> str:
+    """Turn a standalone report (``# `` title, ``## `` parts) into a section under ``heading``."""
+    lines = markdown.splitlines()
+    lines[0] = heading
+    return "\n".join(f"#{line}" if line.startswith("## ") else line for line in lines)

@@ -1,6 +1,6 @@
 """celery-redlock: Redis locks that stop Celery tasks from running twice at once.
 
-The lock core (:class:`Lock`, :class:`Lease`, :class:`Watchdog`) does not use
+The lock core (:class:`Lock`, :class:`Redlock`, :class:`Lease`, :class:`Watchdog`) does not use
 Celery and serves any Python program; :class:`SingletonTask` and
 :func:`current_lock` are the Celery integration.
 """
@@ -13,11 +13,13 @@ from .exceptions import (
     LockKeyError,
     LockNotAcquired,
     LockNotOwned,
+    QuorumNotAchieved,
     RedlockError,
 )
 from .guard import SKIPPED, current_lock
 from .install import install
 from .lock import Lease, Lock, fence_key_for
+from .redlock import Redlock, RedlockLease
 from .renewal import Watchdog, default_watchdog
 from .task import SingletonTask
 
@@ -30,7 +32,10 @@ __all__ = [
     "LockKeyError",
     "LockNotAcquired",
     "LockNotOwned",
+    "QuorumNotAchieved",
+    "Redlock",
     "RedlockError",
+    "RedlockLease",
     "SingletonTask",
     "Watchdog",
     "__version__",

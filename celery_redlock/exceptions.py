@@ -8,6 +8,8 @@ also derive from redis-py's own lock errors, so code written against
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from redis import exceptions as redis_exceptions
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "LockKeyError",
     "LockNotAcquired",
     "LockNotOwned",
+    "QuorumNotAchieved",
     "RedlockError",
 ]
 
@@ -90,3 +93,44 @@ class LockNotAcquired(LockError):
 
 class LockNotOwned(LockError, redis_exceptions.LockNotOwnedError):
     """The lock was lost or taken over: its key no longer holds our token."""
+
+
+class QuorumNotAchieved(LockError):
+    """A majority of Redlock masters did not agree, or agreed too late to be of use.
+
+    Raised where :class:`Lock` raises :class:`LockNotAcquired` (a ``with``
+    block that could not take the lock), and by release, extend and reacquire
+    when the masters that answered were too few to tell.
+
+    Attributes:
+        errors: For each master that did not agree, by node name, why: a
+            :class:`LockNotAcquired` (someone else holds it there), a
+            :class:`LockNotOwned` (our token is not there), or the redis-py
+            error, a ``TimeoutError`` for a master that did not answer in time.
+        granted: How many masters agreed.
+        needed: The quorum: more than half of the masters.
+        holder: The value held on most of the masters that refused, when any did.
+        holder_ttl: The longest time that holder has left on them, in seconds.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        lock_name: str | None = None,
+        *,
+        errors: Mapping[str, BaseException] | None = None,
+        granted: int = 0,
+        needed: int = 0,
+        holder: str | None = None,
+        holder_ttl: float | None = None,
+    ) -> None:
+        super().__init__(message, lock_name=lock_name)
+        self.errors: dict[str, BaseException] = dict(errors or {})
+        self.granted = granted
+        self.needed = needed
+        self.holder = holder
+        self.holder_ttl = holder_ttl
+
+    def __repr__(self) -> str:
+        # redis-py 8's errors repr as "server:ClassName"; log lines need the details.
+        return f"{type(self).__name__}({str(self)!r})"

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union
 
 from .exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
 from .scripts import ACQUIRE, RELEASE, RENEW
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 Number = Union[int, float]
 Clock = Callable[[], float]
 LostCallback = Callable[["Lease"], object]
+_LockT = TypeVar("_LockT", bound="Lock")
+_LeaseT = TypeVar("_LeaseT", bound="Lease")
 
 #: Share of the TTL assumed lost to clock drift between client and server.
 DEFAULT_DRIFT_FACTOR = 0.01
@@ -44,13 +46,17 @@ DRIFT_FLOOR = 0.002
 DEFAULT_FENCE_RETENTION = 3600.0
 
 
-def fence_key_for(name: str) -> str:
+def fence_key_for(name: str | bytes) -> str | bytes:
     """Return the key holding the fence counter of lock ``name``.
 
     The fence key must share the lock key's Redis Cluster hash slot, because the
     acquire script touches both. A name with a hash tag keeps it; any other name
     becomes the tag of its fence key, which hashes to the same slot as the name.
+    Bytes names (which redis-py accepts) give a bytes key.
     """
+    if isinstance(name, bytes):
+        # latin-1 maps every byte to one character and back, braces included.
+        return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
     start = name.find("{")
     if start != -1 and name.find("}", start + 2) != -1:
         return f"{name}:fence"
@@ -88,6 +94,11 @@ class Lease:
         loss_reason: Why the lease was lost, when it was.
         released: ``True`` once the holder started releasing it.
     """
+
+    #: Whether the watchdog renews this lease by calling :meth:`renew` instead of
+    #: batching it with the other leases of its connection pool. Leases that span
+    #: several servers (Redlock) set it.
+    renews_itself: ClassVar[bool] = False
 
     __slots__ = (
         "__weakref__",
@@ -147,7 +158,20 @@ class Lease:
         Validity is measured from when the request was *sent*, minus the drift
         allowance, so it never overstates what the server granted.
         """
-        self.deadline = sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+        self.deadline = self.deadline_for(sent_at, ttl)
+
+    def deadline_for(self, sent_at: float, ttl: float) -> float:
+        """Return the validity deadline of ``ttl`` seconds granted to a request sent then."""
+        return sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+
+    def renew(self) -> None:
+        """Renew the lease to its full TTL on its own (only when :attr:`renews_itself`).
+
+        Raises:
+            NotImplementedError: Always here: single-server leases are renewed in
+                batches by the watchdog.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is renewed in batches by the watchdog")
 
     def remaining(self) -> float:
         """Seconds of validity left: ``inf`` without a TTL, ``0.0`` once lost or released."""
@@ -200,6 +224,8 @@ class _ThreadState(threading.local):
     token: bytes | None = None
     lease: Lease | None = None
     holder: tuple[str | None, float | None] | None = None
+    # Why the latest attempt failed, when a subclass knows more than the holder.
+    failure: LockError | None = None
 
 
 class _SharedState:
@@ -207,6 +233,7 @@ class _SharedState:
         self.token: bytes | None = None
         self.lease: Lease | None = None
         self.holder: tuple[str | None, float | None] | None = None
+        self.failure: LockError | None = None
 
 
 class Lock:
@@ -301,11 +328,15 @@ class Lock:
 
     # -- redis-py compatible API ------------------------------------------------
 
-    def __enter__(self) -> Lock:
+    def __enter__(self: _LockT) -> _LockT:
         if self.acquire():
             return self
+        raise self._not_acquired()
+
+    def _not_acquired(self) -> LockError:
+        """Build the error a ``with`` block raises when the lock could not be taken."""
         holder, holder_ttl = self.local.holder or (None, None)
-        raise LockNotAcquired(
+        return LockNotAcquired(
             "Unable to acquire lock within the time specified",
             lock_name=self.name,
             holder=holder,
@@ -349,10 +380,7 @@ class Lock:
             blocking = self.blocking
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
-        if token is None:
-            encoded = secrets.token_hex(16).encode()
-        else:
-            encoded = self.redis.get_encoder().encode(token)
+        encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
@@ -365,10 +393,20 @@ class Lock:
                 return True
             if not blocking:
                 return False
-            next_try_at = self._clock() + sleep
+            delay = self._retry_delay(sleep)
+            next_try_at = self._clock() + delay
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False
-            time.sleep(sleep)
+            time.sleep(delay)
+
+    def _encode_token(self, token: str | bytes) -> bytes:
+        """Encode a caller's token the way the client would send it."""
+        encoded: bytes = self.redis.get_encoder().encode(token)
+        return encoded
+
+    def _retry_delay(self, sleep: Number) -> float:
+        """Seconds to wait before the next attempt of a blocking acquire."""
+        return float(sleep)
 
     def do_acquire(self, token: bytes) -> bool:
         """Make one attempt; on success store the new :class:`Lease` for this thread."""
@@ -392,8 +430,15 @@ class Lock:
             self.local.holder = None
             return False
         self.local.holder = None
-        self.local.lease = Lease(
-            client=self.redis,
+        self.local.lease = self._new_lease(Lease, self.redis, token, fence, sent_at)
+        return True
+
+    def _new_lease(
+        self, kind: type[_LeaseT], client: Any, token: bytes, fence: int | None, sent_at: float
+    ) -> _LeaseT:
+        """Build the lease of an acquisition whose request was sent at ``sent_at``."""
+        return kind(
+            client=client,
             name=self.name,
             token=token,
             fence=fence,
@@ -405,7 +450,6 @@ class Lock:
             owner=self,
             label=self.label,
         )
-        return True
 
     def locked(self) -> bool:
         """Return ``True`` if anyone holds the lock (one ``GET``)."""
@@ -439,8 +483,10 @@ class Lock:
         lease = self.local.lease
         if lease is not None:
             # Flag first: a watchdog renewal racing with the delete must not
-            # report the lock lost.
+            # report the lock lost. Drop the callback: the watchdog may hold
+            # the lease until its next due time, the callback's closure need not.
             lease.released = True
+            lease.on_lost = None
         self.do_release(token)
 
     def do_release(self, expected_token: bytes) -> None:

@@ -25,12 +25,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
-from redis.retry import Retry
 
 from .lock import Clock, Lease
+from .redlock import bounded_client
 from .scripts import RENEW
 
 __all__ = ["Watchdog", "default_watchdog"]
@@ -49,28 +47,10 @@ def _renewal_client(client: Any) -> Any:
 
     Its own small pool also keeps renewals going when the application has used
     up its pool's connections. Pools this module does not know how to clone
-    (Sentinel, Cluster) are used as they are.
+    (Sentinel, Cluster) are used as they are. No client-side retries: one
+    attempt per pass, the watchdog retries itself within each lease's validity.
     """
-    pool = getattr(client, "connection_pool", None)
-    if pool is None or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
-        return client
-    kwargs = {
-        key: value
-        for key, value in pool.connection_kwargs.items()
-        # Per-pool machinery of recent redis-py versions, bound to the original pool.
-        if not key.startswith(("maint_notifications", "orig_"))
-    }
-    for option in ("socket_timeout", "socket_connect_timeout"):
-        current = kwargs.get(option)
-        kwargs[option] = RENEWAL_TIMEOUT if current is None else min(current, RENEWAL_TIMEOUT)
-    # One attempt per pass: the watchdog retries itself, within each lease's validity,
-    # whereas redis-py's own retries would multiply the timeout.
-    kwargs["retry"] = Retry(NoBackoff(), 0)
-    return redis.Redis(
-        connection_pool=redis.ConnectionPool(
-            connection_class=pool.connection_class, max_connections=4, **kwargs
-        )
-    )
+    return bounded_client(client, RENEWAL_TIMEOUT, max_connections=4)
 
 
 def _retry_delay(lease: Lease) -> float:
@@ -145,6 +125,7 @@ class Watchdog:
         now = self._clock()
         batch = self._take_due(now)
         by_pool: dict[Any, list[Lease]] = defaultdict(list)
+        alone: list[Lease] = []
         for lease in batch:
             if lease.released or lease.lost:
                 continue
@@ -158,13 +139,43 @@ class Watchdog:
                 # someone else may hold the lock by now, so renewing is not safe.
                 lease.mark_lost("validity expired before it could be renewed")
                 continue
-            pool = getattr(lease.client, "connection_pool", lease.client)
-            by_pool[pool].append(lease)
+            if lease.renews_itself:
+                alone.append(lease)
+                continue
+            # A client without a pool (Redis Cluster) cannot take one script
+            # over keys of several slots: such leases are renewed one by one.
+            pool = getattr(lease.client, "connection_pool", None)
+            by_pool[lease if pool is None else pool].append(lease)
         for pool, leases in by_pool.items():
-            client = self._clients.get(pool)
-            if client is None:
-                client = self._clients[pool] = _renewal_client(leases[0].client)
+            try:
+                client = self._clients.get(pool)
+                if client is None:
+                    client = self._clients[pool] = _renewal_client(leases[0].client)
+            except Exception as exc:
+                self._schedule_retry(leases, exc)
+                continue
             self._renew_group(client, leases)
+        # After the batches: a lease spanning several servers waits for a
+        # majority, up to its node timeout, which must not delay the others.
+        for lease in alone:
+            self._renew_alone(lease)
+
+    def _renew_alone(self, lease: Lease) -> None:
+        sent_at = self._clock()
+        try:
+            lease.renew()
+        except Exception as exc:
+            # A lease found not owned is already marked lost; anything else is
+            # retried until its validity runs out, as for a failed batch.
+            if not (lease.lost or lease.released):
+                self._schedule_retry([lease], exc)
+            return
+        if lease.released:
+            return
+        lease.renewals += 1
+        assert lease.ttl is not None
+        with self._cond:
+            self._push(lease, sent_at + lease.ttl / 3)
 
     def _take_due(self, now: float) -> list[Lease]:
         taken: list[Lease] = []

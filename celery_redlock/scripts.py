@@ -12,11 +12,21 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, Union
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
 
-__all__ = ["ACQUIRE", "RELEASE", "RELEASE_HELD_BY", "RENEW", "Script"]
+__all__ = ["ACQUIRE", "RAISE_FENCE", "RELEASE", "RELEASE_HELD_BY", "RENEW", "Script"]
 
 Arg = Union[str, bytes, int, float]
+
+
+def _checkout(pool: Any) -> Any:
+    # redis-py >= 5.3 takes no arguments (and warns about them); older versions
+    # require the command name.
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("EVALSHA")
 
 
 class Script:
@@ -40,10 +50,44 @@ class Script:
             redis.exceptions.RedisError: Whatever the server or connection raises,
                 except ``NOSCRIPT``, which is handled here.
         """
+        pool = getattr(client, "connection_pool", None)
+        # A single-connection client owns its connection (client.connection);
+        # Cluster clients have no pool: both go through redis-py.
+        if pool is None or getattr(client, "connection", None) is not None:
+            try:
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+        # The hot path of every task: talk to a pooled connection directly,
+        # without redis-py's per-command bookkeeping (about a third of the
+        # client's CPU per command).
+        connection = _checkout(pool)
         try:
-            return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            try:
+                return self._run(connection, keys, args)
+            except RedisConnectionError:
+                # A pooled connection the server closed (a restart, an idle
+                # timeout) fails on first use; like redis-py, try once more on a
+                # fresh one. Timeouts are not retried: the server may be hung.
+                connection.disconnect()
+                return self._run(connection, keys, args)
+        except ResponseError:
+            raise  # the server answered: the connection is in a clean state
+        except BaseException:
+            # Anything else may leave a reply unread on the socket: never hand
+            # that connection out again.
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+
+    def _run(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        try:
+            return connection.read_response()
         except NoScriptError:
-            return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+            connection.send_command("EVAL", self.source, len(keys), *keys, *args)
+            return connection.read_response()
 
     def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
         """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
@@ -60,9 +104,9 @@ class Script:
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
 # ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
-# Returns  the fence (an integer > 0) when the lock was taken, otherwise the
-#          table {holder's PTTL in ms (-1: no expiry), holder's value}. A script
-#          runs atomically, so the holder cannot vanish between SET and reads.
+# Returns  the fence (an integer > 0) when the lock was taken (or already held
+#          with ARGV[1], so a resent acquire is idempotent), otherwise the table
+#          {holder's PTTL in ms (-1: no expiry), holder's value}.
 #
 # Fences count up from a seed: the server clock in microseconds, taken when the
 # fence key is missing (first use, expiry, or a restart that lost it). The seed
@@ -81,7 +125,15 @@ else
   taken = redis.call('SET', KEYS[1], ARGV[1], 'NX')
 end
 if not taken then
-  return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
+  local holder = redis.call('GET', KEYS[1])
+  if holder ~= ARGV[1] then
+    return {redis.call('PTTL', KEYS[1]), holder}
+  end
+  -- Our own token: this very acquisition ran before and its reply was lost
+  -- (the client sent it again). It is ours; restart its TTL and go on.
+  if ttl > 0 then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+  end
 end
 local fence = redis.call('INCR', KEYS[2])
 if fence == 1 then
@@ -158,5 +210,41 @@ for i, key in ipairs(KEYS) do
   end
 end
 return result
+""",
+)
+
+# Redlock: raise one master's fence counter to the fence about to be handed out.
+#
+# KEYS[1]  lock key
+# KEYS[2]  fence key (same hash slot as the lock key)
+# ARGV[1]  token of the acquisition handing the fence out
+# ARGV[2]  the fence, in decimal
+# ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
+# Returns  1 when the counter was lower (or missing) and now holds the fence;
+#          0 when it already held the fence or more: a value someone else drew;
+#          -1 when another token holds the lock key here (the counter is untouched).
+#
+# Only a 1 counts towards the majority the fence must be written to: a later
+# acquisition then meets a counter that this call raised before the fence was
+# handed out, so it draws a larger one. A master where someone else holds the
+# lock refuses, so the raise cannot land after a later holder drew its fence
+# there. Counters only grow; KEEPTTL keeps the key's own retention.
+RAISE_FENCE = Script(
+    "raise_fence",
+    """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then
+  return -1
+end
+local current = redis.call('GET', KEYS[2])
+if current and tonumber(current) >= tonumber(ARGV[2]) then
+  return 0
+end
+if current then
+  redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
+else
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+end
+return 1
 """,
 )

@@ -131,3 +131,26 @@ def test_a_timed_out_reply_is_never_read_by_the_next_operation(redis_server):
     other = Lock(client, "late", timeout=10)
     assert other.acquire(blocking=False)
     assert other.fence > holder.lease.fence
+
+
+def test_a_resent_acquire_is_idempotent(redis_server):
+    """An acquire whose reply was lost and is sent again finds its own token and holds the lock."""
+    client = redis_server.client()
+    first = Lock(client, "resent", timeout=10)
+    assert first.acquire(blocking=False, token="attempt-1")
+    client.pexpire("resent", 2000)
+    again = Lock(client, "resent", timeout=10)
+    assert again.acquire(blocking=False, token="attempt-1")  # what a client retry sends
+    assert again.fence > first.fence
+    assert 9000 < client.pttl("resent") <= 10000  # its TTL starts over
+    assert not Lock(client, "resent", timeout=10).acquire(blocking=False, token="other")
+
+
+def test_bytes_names_and_single_connection_clients_work(redis_server):
+    """Byte-string names and single-connection clients, both accepted by redis-py, work too."""
+    client = redis_server.client(single_connection_client=True)
+    lock = client.lock(b"bytes-name", timeout=5, lock_class=Lock)
+    with lock:
+        assert client.get(b"bytes-name") == lock.token
+        assert client.exists(b"{bytes-name}:fence")
+    assert not client.exists(b"bytes-name")

@@ -22,10 +22,16 @@ class FakeClock:
         return self.now
 
 
+class FakePool:
+    """Stands in for a connection pool: something the watchdog can group by."""
+
+
 class RecordingClient:
     """Answers the renew script as a server holding every lock would, or fails on demand."""
 
     def __init__(self) -> None:
+        self.connection_pool = FakePool()  # leases on one pool are batched together
+        self.connection = self  # a single-connection client: scripts use execute_command
         self.calls: list[list[str]] = []
         self.error: Exception | None = None
         self.not_owned: set[str] = set()
@@ -85,6 +91,22 @@ def test_leases_due_close_together_share_one_call(watchdog, client, clock):
     watchdog.renew_due()
     assert client.calls == [[f"k{i}" for i in range(5)]]
     assert all(item.renewals == 1 for item in leases)
+
+
+def test_clients_without_a_pool_renew_each_lease_alone(watchdog, clock):
+    """A Cluster client has no pool and cannot run one script over many slots."""
+
+    class ClusterLike(RecordingClient):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.connection_pool
+
+    client = ClusterLike()
+    for i in range(3):
+        watchdog.watch(lease(client, clock, f"k{i}"))
+    clock.now += 1.0
+    watchdog.renew_due()
+    assert sorted(client.calls) == [["k0"], ["k1"], ["k2"]]
 
 
 def test_nothing_is_sent_before_leases_are_due(watchdog, client, clock):

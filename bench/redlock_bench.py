@@ -1,0 +1,241 @@
+"""Benchmark celery_redlock.Redlock against Lock on one master and pottery's Redlock.
+
+Run from the repository root::
+
+    python bench/redlock_bench.py [--rounds N] [--cycles N] [--json out.json]
+
+Five private ``redis-server`` processes are started on free loopback ports
+(``lock_bench.private_redis_server``: binary from ``$REDLOCK_TEST_REDIS_SERVER``
+or ``PATH``) and stopped by their pids at the end, also on errors. Every
+contender runs uncontended acquire+release cycles on its own key with a 10 s
+TTL, in interleaved rounds whose order rotates, so machine noise hits all of
+them alike. Reported per contender: the median over rounds of cycles/s, p50 and
+p99 of the pooled per-cycle latencies, the latency ratio to ``Lock`` on one
+master (pooled p50s, and the median of per-round ratios), and client and server
+CPU per cycle (server CPU summed over the masters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+import redis
+
+BENCH = Path(__file__).resolve().parent
+for path in (BENCH, BENCH.parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from lock_bench import (  # noqa: E402
+    BenchError,
+    machine_context,
+    percentile_us,
+    private_redis_server,
+    round_order,
+    settle,
+    timed_block,
+)
+from results import as_section, write_section  # noqa: E402
+
+import celery_redlock  # noqa: E402
+
+TTL_SECONDS = 10
+SINGLE = "Lock, 1 master"
+FIVE = "Redlock, 5 masters"
+POTTERY = "pottery Redlock, 5 masters"
+LATENCY_TARGET = 1.5
+THROUGHPUT_TARGET = 2.0
+
+Cycle = Callable[[], None]
+
+
+def cycle_of(lock: Any, acquire: Callable[[], bool]) -> Cycle:
+    def cycle() -> None:
+        if not acquire():
+            raise BenchError(f"{lock!r}: an uncontended acquire failed")
+        lock.release()
+
+    return cycle
+
+
+def contenders(clients: list[redis.Redis]) -> dict[str, Cycle]:
+    from pottery import Redlock as PotteryRedlock
+
+    def ours(lock: Any) -> Cycle:
+        return cycle_of(lock, functools.partial(lock.acquire, blocking=False))
+
+    pottery = PotteryRedlock(key="bench:pottery", masters=set(clients),
+                             auto_release_time=TTL_SECONDS)  # fmt: skip
+    return {
+        SINGLE: ours(celery_redlock.Lock(clients[0], "bench:lock", timeout=TTL_SECONDS)),
+        "Redlock, 3 masters": ours(
+            celery_redlock.Redlock(clients[:3], "bench:redlock3", timeout=TTL_SECONDS)
+        ),
+        FIVE: ours(celery_redlock.Redlock(clients, "bench:redlock5", timeout=TTL_SECONDS)),
+        "Redlock, 5 masters, fencing=False": ours(
+            celery_redlock.Redlock(clients, "bench:nofence5", timeout=TTL_SECONDS, fencing=False)
+        ),
+        POTTERY: cycle_of(pottery, functools.partial(pottery.acquire, blocking=False)),
+    }
+
+
+class AllServers:
+    """Looks like one admin client to ``timed_block``; its ``INFO cpu`` sums every master."""
+
+    def __init__(self, clients: Sequence[redis.Redis]) -> None:
+        self.clients = clients
+
+    def info(self, section: str) -> dict[str, float]:
+        infos = [client.info(section) for client in self.clients]
+        return {
+            key: sum(float(info[key]) for info in infos)
+            for key in ("used_cpu_user", "used_cpu_sys")
+        }
+
+
+def run(clients: list[redis.Redis], args: argparse.Namespace) -> dict[str, Any]:
+    cycles = contenders(clients)
+    names = list(cycles)
+    admin = AllServers(clients)
+    for name in names:
+        for _ in range(args.warmup):
+            cycles[name]()
+    settle(0)
+    baseline_threads = threading.active_count()
+    blocks: dict[str, list[Any]] = {name: [] for name in names}
+    started = time.monotonic()
+    for r in range(args.rounds):
+        for name in round_order(names, r):
+            blocks[name].append(timed_block(cycles[name], args.cycles, admin))
+            settle(baseline_threads)
+        log(f"round {r + 1}/{args.rounds} done at {time.monotonic() - started:.0f} s")
+        if r >= 2 and time.monotonic() - started > args.budget:
+            log(f"stopping after {r + 1} rounds: over the {args.budget} s budget")
+            break
+    return summarize(blocks)
+
+
+def summarize(blocks: dict[str, list[Any]]) -> dict[str, Any]:
+    rows: dict[str, dict[str, float]] = {}
+    single_means = [statistics.fmean(b.latencies_ns) for b in blocks[SINGLE]]
+    for name, runs in blocks.items():
+        pooled = sorted(ns for block in runs for ns in block.latencies_ns)
+        means = [statistics.fmean(b.latencies_ns) for b in runs]
+        rows[name] = {
+            "rounds": len(runs),
+            "cycles_per_s": statistics.median(b.cycles_per_s for b in runs),
+            "p50_us": percentile_us(pooled, 0.50),
+            "p99_us": percentile_us(pooled, 0.99),
+            # Same round, same machine state: the ratio that noise disturbs least.
+            "paired_latency_ratio": statistics.median(m / s for m, s in zip(means, single_means)),
+            "client_cpu_us": statistics.median(b.cpu_us_per_cycle for b in runs),
+            "server_cpu_us": statistics.median(b.server_cpu_us_per_cycle for b in runs),
+        }
+    for row in rows.values():
+        row["p50_ratio"] = row["p50_us"] / rows[SINGLE]["p50_us"]
+    return rows
+
+
+def section(title: str, body: list[str]) -> list[str]:
+    """A Markdown section: heading, body, blank line."""
+    return [f"## {title}\n", *body, ""]
+
+
+def render(
+    rows: dict[str, dict[str, float]], context: dict[str, Any], args: argparse.Namespace
+) -> str:
+    five, single, pottery = rows[FIVE], rows[SINGLE], rows[POTTERY]
+    latency_ok = five["p50_ratio"] <= LATENCY_TARGET
+    throughput = five["cycles_per_s"] / pottery["cycles_per_s"]
+    table = [
+        "| contender | cycles/s | p50 µs | p99 µs | x Lock p50 | x Lock (paired) "
+        "| client CPU µs/cycle | server CPU µs/cycle (all masters) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    parameters = [
+        f"- {single['rounds']:.0f} rounds x {args.cycles} cycles per contender "
+        f"(after {args.warmup} warm-up cycles)",
+        "- cycles/s: median over rounds; p50/p99: pooled per-cycle latencies",
+        "- x Lock (paired): median over rounds of mean latency / Lock's in the same round",
+    ]
+    lines = [
+        "# Redlock benchmark results\n",
+        "Generated by `python bench/redlock_bench.py`: uncontended acquire+release on",
+        "private redis-servers (one process each, same host), TTL 10 s, each contender",
+        "on its own key, interleaved rounds with rotating order.\n",
+        *section("Machine", [f"- {key.replace('_', ' ')}: {v}" for key, v in context.items()]),
+        *section("Parameters", parameters),
+        *section("Acquire + release", table),
+    ]
+    lines.pop()  # the table goes on below
+    for name, row in rows.items():
+        lines.append(
+            f"| {name} | {row['cycles_per_s']:,.0f} | {row['p50_us']:.1f} | {row['p99_us']:.1f} "
+            f"| {row['p50_ratio']:.2f} | {row['paired_latency_ratio']:.2f} "
+            f"| {row['client_cpu_us']:.1f} | {row['server_cpu_us']:.1f} |"
+        )
+    targets = [
+        f"- 5-master Redlock p50 within {LATENCY_TARGET}x of Lock on one master: "
+        f"**{'met' if latency_ok else 'not met'}** ({five['p50_ratio']:.2f}x by pooled p50, "
+        f"{five['paired_latency_ratio']:.2f}x paired)",
+        f"- 5-master Redlock >= {THROUGHPUT_TARGET}x pottery's cycles/s: "
+        f"**{'met' if throughput >= THROUGHPUT_TARGET else 'not met'}** ({throughput:.1f}x)",
+    ]
+    lines += ["", *section("Targets", targets)]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds")
+    parser.add_argument("--cycles", type=int, default=300, help="cycles per contender and round")
+    parser.add_argument("--warmup", type=int, default=200, help="warm-up cycles per contender")
+    parser.add_argument("--budget", type=float, default=90.0,
+                        help="seconds the rounds may take; stops early after 3 rounds")  # fmt: skip
+    parser.add_argument("--results", default=str(BENCH / "RESULTS.md"),
+                        help="Markdown report ('-' to skip)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="raw results")
+    return parser.parse_args(argv)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+RESULTS_HEADING = "## Redlock: acquire + release over N masters"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    with contextlib.ExitStack() as servers:
+        ports = [servers.enter_context(private_redis_server()) for _ in range(5)]
+        log(f"private redis-servers on 127.0.0.1:{', '.join(map(str, ports))}")
+        clients = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
+        context = machine_context(clients[0])
+        rows = run(clients, args)
+        for client in clients:
+            client.close()
+    markdown = render(rows, context, args)
+    print(markdown)
+    if args.results != "-":
+        write_section(Path(args.results), RESULTS_HEADING, as_section(markdown, RESULTS_HEADING))
+        log(f"wrote {args.results}")
+    if args.json:
+        args.json.write_text(json.dumps({"context": context, "rows": rows}, indent=2))
+    log(f"done in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

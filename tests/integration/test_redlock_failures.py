@@ -1,0 +1,137 @@
+"""Redlock when masters die, hang or come back empty: a majority decides, quickly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from celery_redlock import QuorumNotAchieved, Redlock
+from tests.integration.test_redlock import wait_until, warm
+
+
+def test_two_of_five_killed_still_acquires_and_excludes(redis_servers):
+    """With 2 of 5 masters dead the lock is still granted, to one holder at a time."""
+    servers = redis_servers(5)
+    clients = [s.client() for s in servers]
+    holder = Redlock(clients, "job", timeout=10)
+    warm(holder)
+    servers[0].kill()
+    servers[4].kill()
+    assert holder.acquire(blocking=False)
+    other = Redlock([s.url for s in servers], "job", timeout=10)
+    assert not other.acquire(blocking=False)
+    assert isinstance(other.local.failure, QuorumNotAchieved)
+    holder.release()
+    assert other.acquire(blocking=False)
+    other.release()
+
+
+def test_three_of_five_killed_fails_with_every_error_and_leaves_no_key(redis_servers):
+    """Without a majority, acquisition fails naming each dead master, and survivors keep no key."""
+    servers = redis_servers(5)
+    lock = Redlock([s.client() for s in servers], "job", timeout=10, blocking_timeout=0.3)
+    warm(lock)
+    dead = [servers[1], servers[2], servers[3]]
+    for server in dead:
+        server.kill()
+    with pytest.raises(QuorumNotAchieved) as info, lock:
+        pass
+    error = info.value
+    assert error.granted <= 2 and error.needed == 3
+    dead_names = {f"127.0.0.1:{s.port}/0" for s in dead}
+    assert dead_names <= set(error.errors)
+    assert all(isinstance(error.errors[name], redis.ConnectionError) for name in dead_names)
+    for name in dead_names:
+        assert name in str(error)
+    survivors = [servers[0].client(), servers[4].client()]
+    # The releases run within moments; the TTL (10 s) is far away.
+    assert wait_until(lambda: all(c.get("job") is None for c in survivors), timeout=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_hung_master_does_not_slow_acquisition(redis_servers):
+    """A SIGSTOPped master costs acquire+release nothing near the node timeout."""
+    servers = redis_servers(5)
+    lock = Redlock([s.client() for s in servers], "job", timeout=10)
+    assert lock.node_timeout == 1.0
+    warm(lock)
+    servers[2].pause()
+    try:
+        cycles = []
+        for _ in range(30):
+            started = time.monotonic()
+            assert lock.acquire(blocking=False)
+            lock.release()
+            cycles.append(time.monotonic() - started)
+        # A master nobody has connected to yet: its connect hangs in the pool.
+        fresh = Redlock([s.url for s in servers], "job", timeout=10, node_timeout=0.9)
+        started = time.monotonic()
+        assert fresh.acquire(blocking=False)
+        fresh_acquire = time.monotonic() - started
+        fresh.release()
+    finally:
+        servers[2].resume()
+    cycles.sort()
+    print(
+        f"\nwith a hung master: acquire+release median {cycles[15] * 1000:.2f} ms, "
+        f"max {cycles[-1] * 1000:.2f} ms; first acquire on new connections "
+        f"{fresh_acquire * 1000:.2f} ms (node timeout 1000 ms)"
+    )
+    assert cycles[-1] < 0.2
+    assert fresh_acquire < 0.2
+
+
+@pytest.mark.timeout(30)
+def test_hung_majority_fails_within_the_node_timeout(redis_servers):
+    """With too many masters hung, a failed attempt returns after about one node timeout."""
+    servers = redis_servers(5)
+    lock = Redlock([s.client() for s in servers], "job", timeout=5, node_timeout=0.2)
+    warm(lock)
+    for server in servers[:3]:
+        server.pause()
+    try:
+        started = time.monotonic()
+        assert not lock.acquire(blocking=False)
+        elapsed = time.monotonic() - started
+    finally:
+        for server in servers[:3]:
+            server.resume()
+    assert 0.19 < elapsed < 0.5
+    error = lock.local.failure
+    assert sum("node timeout" in str(e) for e in error.errors.values()) == 3
+    # Once they resume, the releases queued behind the acquires leave no key.
+    assert wait_until(lambda: all(s.client().get("job") is None for s in servers))
+
+
+@pytest.mark.parametrize("masters", [3, 5])
+def test_minority_restarted_empty_does_not_break_exclusion(redis_servers, masters):
+    """A master that restarts without data during a hold cannot hand the lock to a second holder."""
+    servers = redis_servers(masters)
+    clients = [s.client() for s in servers]
+    holder = Redlock(clients, "job", timeout=10)
+    warm(holder)
+    assert holder.acquire(blocking=False)
+    servers[0].restart()
+    assert servers[0].client().get("job") is None
+    rival = Redlock([s.url for s in servers], "job", timeout=10)
+    assert not rival.acquire(blocking=False)
+    assert rival.local.failure.granted <= 1
+    assert holder.owned()
+    assert not holder.lost
+    holder.release()
+    assert wait_until(lambda: all(c.get("job") is None for c in clients))
+    assert rival.acquire(blocking=False)
+    rival.release()
+
+
+def test_master_restarted_between_operations_is_reconnected(redis_servers):
+    """Connections left open to a restarted master are replaced without failing a vote."""
+    servers = redis_servers(3)
+    lock = Redlock([s.client() for s in servers], "job", timeout=10)
+    warm(lock)
+    for server in servers:
+        server.restart()
+    assert lock.acquire(blocking=False), lock.local.failure
+    lock.release()
