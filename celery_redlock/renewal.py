@@ -96,7 +96,11 @@ class Watchdog:
                     target=self._run, name="celery-redlock-watchdog", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif self._heap[0][2] is lease:
+                # Only a lease due before everything else changes when the
+                # thread must wake; waking it for every task costs a context
+                # switch per task on a busy worker.
+                self._cond.notify()
 
     def watched(self) -> int:
         """How many leases the heap holds (released ones linger until they are due)."""
