@@ -28,6 +28,5 @@ def write_section(path: Path, heading: str, section: str) -> None:
 
 def as_section(markdown: str, heading: str) -> str:
     """Turn a standalone report (``# `` title, ``## `` parts) into a section under ``heading``."""
-    lines = markdown.splitlines()
-    lines[0] = heading
-    return "\n".join(f"#{line}" if line.startswith("## ") else line for line in lines)
+    _title, *rest = markdown.splitlines()
+    return "\n".join([heading, *(f"#{line}" if line.startswith("## ") else line for line in rest)])
