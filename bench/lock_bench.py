@@ -30,8 +30,6 @@ import math
 import os
 import platform
 import secrets
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +45,7 @@ from typing import Any, Callable
 import redis
 import redis.utils
 from results import as_section, write_section
+from servers import free_port, redis_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -78,19 +77,6 @@ class BenchError(RuntimeError):
 # -- private redis-server ---------------------------------------------------------
 
 
-def _redis_server_binary() -> str:
-    binary = os.environ.get("REDLOCK_TEST_REDIS_SERVER") or shutil.which("redis-server")
-    if not binary:
-        raise BenchError("no redis-server: set REDLOCK_TEST_REDIS_SERVER or put it on PATH")
-    return binary
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_for_ping(port: int, proc: subprocess.Popen[bytes], deadline: float) -> bool:
     probe = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
     try:
@@ -117,10 +103,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def private_redis_server() -> Iterator[int]:
     """Start a throw-away redis-server on a free loopback port; yield the port."""
-    binary = _redis_server_binary()
+    binary = redis_server_binary()
     with tempfile.TemporaryDirectory(prefix="lock-bench-") as workdir:
         for _attempt in range(5):
-            port = _free_port()
+            port = free_port()
             argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
             argv += ["--appendonly", "no", "--dir", workdir]
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -38,9 +38,7 @@ import json
 import os
 import platform
 import secrets
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +53,7 @@ from typing import Any
 
 import redis
 from results import write_section
+from servers import free_port, redis_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_HEADING = "## Task throughput"
@@ -91,19 +90,6 @@ class BenchError(RuntimeError):
 # -- private servers and the worker ------------------------------------------------
 
 
-def _redis_server_binary() -> str:
-    binary = os.environ.get("REDLOCK_TEST_REDIS_SERVER") or shutil.which("redis-server")
-    if not binary:
-        raise BenchError("redis-server not found: set REDLOCK_TEST_REDIS_SERVER or PATH")
-    return binary
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _terminate(proc: subprocess.Popen[bytes], *, group: bool = False, grace: float = 10.0) -> None:
     """Stop a process this benchmark started: SIGTERM, then SIGKILL after ``grace`` seconds.
 
@@ -135,11 +121,11 @@ def _terminate(proc: subprocess.Popen[bytes], *, group: bool = False, grace: flo
 @contextlib.contextmanager
 def private_redis(workdir: Path, name: str) -> Iterator[str]:
     """Run a throw-away redis-server on a free loopback port; yield its URL."""
-    binary = _redis_server_binary()
+    binary = redis_server_binary()
     directory = workdir / name
     directory.mkdir()
     for _attempt in range(5):
-        port = _free_port()
+        port = free_port()
         argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         argv += ["--appendonly", "no", "--dir", str(directory)]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
