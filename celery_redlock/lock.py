@@ -315,8 +315,8 @@ class Lock:
         self.on_lost = on_lost
         self.fencing = fencing
         self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
-        retention = _positive_seconds("fence_retention", fence_retention, allow_none=False)
-        self._fence_retention_ms = int(retention * 1000) if retention else 0
+        _positive_seconds("fence_retention", fence_retention, allow_none=False)
+        self._fence_retention_ms = int(fence_retention * 1000)
         self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
         self.drift_factor = drift_factor
         self._watchdog = watchdog

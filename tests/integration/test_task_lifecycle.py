@@ -50,6 +50,35 @@ def worker(app: Celery, pool: str = "threads", concurrency: int = 4):
         yield running
 
 
+@contextmanager
+def received(*signals):
+    """Collect every send of ``signals`` while the block runs, each with its ``sent_by`` name."""
+    events: list[dict] = []
+    receivers = []
+    for signal in signals:
+
+        def receive(sender=None, _name=signal.name, **kwargs):
+            events.append({**kwargs, "sent_by": _name})
+
+        signal.connect(receive, weak=False)
+        receivers.append((signal, receive))
+    try:
+        yield events
+    finally:
+        for signal, receive in receivers:
+            signal.disconnect(receive)
+
+
+def wait_for(events: list[dict], count: int, timeout: float = 10, **match) -> None:
+    """Wait until ``count`` collected events have all the ``match`` items."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(all(e.get(k) == v for k, v in match.items()) for e in events) >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"fewer than {count} of {len(events)} events match {match}")
+
+
 def lock_keys(redis_server) -> list[bytes]:
     client = redis_server.client()
     return [k for k in client.scan_iter("redlock:v1:*") if not k.endswith(b":fence")]
@@ -220,11 +249,11 @@ def test_requeue_keeps_id_arguments_queue_priority_and_headers(make_app):
         finish.wait(10)
         return x
 
-    with worker(app):
+    with worker(app), received(redlock_signals.lock_contended) as events:
         first = serial.delay(1, tag="a")
         assert started.wait(10)
         second = serial.apply_async((1,), {"tag": "a"}, priority=3, headers={"x_custom": "kept"})
-        time.sleep(0.5)
+        wait_for(events, 1, task_id=second.id, action="requeue")
         finish.set()
         assert first.get(timeout=10) == 1
         assert second.get(timeout=20) == 1
@@ -387,15 +416,18 @@ def test_a_redelivery_meeting_its_own_lock_waits_beyond_max_requeues(make_app):
         finish.wait(10)
         return "first"
 
-    with worker(app):
+    signals = (redlock_signals.lock_contended, redlock_signals.lock_released)
+    with worker(app), received(*signals) as events:
         first = own.delay()
         assert started.wait(10)
         own.apply_async(task_id=first.id)  # the broker delivering the same message again
-        time.sleep(0.5)  # many requeues, far beyond lock_max_requeues=1
+        # Requeued far beyond lock_max_requeues=1, and never failed for it.
+        wait_for(events, 4, sent_by="lock_contended", task_id=first.id, action="requeue")
         assert first.state != "FAILURE"
         finish.set()
         assert first.get(timeout=10) == "first"
-        time.sleep(0.5)  # the copy meets a free lock, sees SUCCESS, and is dropped
+        # The copy then takes the free lock, sees SUCCESS, is dropped, and releases.
+        wait_for(events, 2, sent_by="lock_released", task_id=first.id)
     assert runs == [first.id]
     assert first.state == "SUCCESS"
 
