@@ -3,7 +3,9 @@
 :class:`RedlockStep` is a worker bootstep. Its constructor runs in the main
 process before the pool starts, which is what per-queue locking needs: it
 wraps the plain tasks' bodies before the pool builds the tracers that capture
-them, and prefork children inherit the wrapped tasks.
+them, and prefork children inherit the wrapped tasks. The lock counters'
+shared memory is created there for the same reason, and the stale locks of a
+dead earlier run of the worker are released before it takes any task.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from typing import Any
 from celery import bootsteps
 from redis.exceptions import RedisError
 
-from .conf import check_settings, lock_url, parse_queues, redact_url
+from . import control, stats
+from .conf import check_settings, flag, lock_url, parse_queues, redact_url
 from .exceptions import ConfigurationError
 from .guard import client_for
 from .queues import QueueLocks, lock_plain_tasks, register
+from .recovery import lock_prefixes, recover_stale
 
-__all__ = ["RedlockStep", "check_lock_store", "prepare_worker"]
+__all__ = ["RedlockStep", "check_lock_store", "prepare_worker", "recover_at_start"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,21 +101,60 @@ def check_lock_store(app: Any) -> str:
     return summary
 
 
+def recover_at_start(app: Any, node: str) -> int:
+    """Release the locks left by a dead earlier run of worker ``node``; return how many.
+
+    Never raises: a lock store that fails here leaves the stale locks to
+    expire with their TTL, as without recovery.
+    """
+    try:
+        released = recover_stale(client_for(app), lock_prefixes(app), node)
+    except RedisError as exc:
+        logger.warning("celery-redlock: stale-lock recovery skipped: %r", exc)
+        return 0
+    logger.info(
+        "celery-redlock: stale-lock recovery for %s released %d lock(s)", node, len(released)
+    )
+    return len(released)
+
+
+def _pool_size(worker: Any) -> int:
+    # Autoscaling (--autoscale=max,min) may grow the pool past -c up to its maximum.
+    sizes = [getattr(worker, "concurrency", 0), *(getattr(worker, "autoscale", None) or ())]
+    return max([size for size in sizes if isinstance(size, int)] + [1])
+
+
 class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
     """Worker bootstep of celery-redlock (added by :func:`celery_redlock.install`).
 
-    Receives the ``--redlock-queues`` worker option as ``redlock_queues``.
-    A configuration error stops a command-line worker with one line naming
-    the setting and value; a programmatic worker gets the ``ConfigurationError``.
+    Receives the ``--redlock-queues`` worker option as ``redlock_queues`` and
+    ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover`` (which
+    wins over the ``redlock_recover_stale`` setting). A configuration error
+    stops a command-line worker with one line naming the setting and value; a
+    programmatic worker gets the ``ConfigurationError``.
     """
 
     name = "celery-redlock"
 
-    def __init__(self, worker: Any, redlock_queues: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        worker: Any,
+        redlock_queues: str | None = None,
+        redlock_recover: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
         try:
             self.locks = prepare_worker(app, redlock_queues, dict(app.amqp.queues.consume_from))
+            recover = flag(app.conf, "redlock_recover_stale", True)
+            if redlock_recover is not None:
+                if not isinstance(redlock_recover, bool):
+                    raise ConfigurationError(
+                        "--redlock-recover", redlock_recover, "must be True or False"
+                    )
+                recover = redlock_recover
+            counting = flag(app.conf, "redlock_stats", True)
         except ConfigurationError as exc:
             from celery.apps.worker import Worker as CommandLineWorker
 
@@ -119,3 +162,6 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
                 raise SystemExit(f"celery-redlock: configuration error: {exc}") from None
             raise
         check_lock_store(app)
+        self.stats = stats.enable(app, _pool_size(worker)) if counting else None
+        logger.debug("celery-redlock: %s command registered", control.STATS_COMMAND)
+        self.recovered = recover_at_start(app, worker.hostname) if recover else 0

@@ -1,9 +1,11 @@
-"""The ``celery redlock`` commands, and the ``--redlock-queues`` worker option.
+"""The ``celery redlock`` commands, and the ``--redlock-queues`` and ``--redlock-recover`` options.
 
 Celery loads this module through the ``celery.commands`` entry point whenever
 the ``celery`` program starts, before it loads the app. It then adds the
-worker option to ``celery worker`` and installs celery-redlock in any worker
-started with that option or with ``redlock_queues`` configured.
+worker options to ``celery worker`` and installs celery-redlock in any worker
+started with one of them or with ``redlock_queues`` configured. The operator
+commands (``list``, ``show``, ``release``, ``purge``, ``stats``) live in
+:mod:`celery_redlock.ops_cli`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from celery import signals
 from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
+from . import control  # noqa: F401  # registers redlock_stats for `celery inspect`
 from .bootsteps import check_lock_store
-from .conf import check_settings, lock_url, redact_url
+from .conf import check_settings, flag, lock_url, redact_url
 from .exceptions import ConfigurationError
-from .install import WORKER_OPTION_NAME, install, worker_option
+from .install import RECOVER_OPTION_NAME, WORKER_OPTION_NAME, install, worker_options
+from .ops_cli import COMMANDS
 
 __all__ = ["redlock"]
 
@@ -36,6 +40,8 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
     app = ctx.obj.app
     try:
         queues = check_settings(app.conf)
+        flag(app.conf, "redlock_recover_stale", True)
+        flag(app.conf, "redlock_stats", True)
         app.finalize()  # binds SingletonTasks, which validates their options
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
@@ -49,10 +55,16 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
     # worker_init comes right before the worker builds its bootsteps, so the
     # step added here still takes part. Only the CLI process connects this.
     app = sender.app
-    if sender.options.get(WORKER_OPTION_NAME) or app.conf.get("redlock_queues"):
+    options = sender.options
+    asked = options.get(WORKER_OPTION_NAME) or options.get(RECOVER_OPTION_NAME) is not None
+    if asked or app.conf.get("redlock_queues"):
         install(app)
 
 
-if not any(param.name == WORKER_OPTION_NAME for param in worker_command.params):
-    worker_command.params.append(worker_option())
+for _command in COMMANDS:
+    redlock.add_command(_command)
+_known = {param.name for param in worker_command.params}
+for _option in worker_options():
+    if _option.name not in _known:
+        worker_command.params.append(_option)
 signals.worker_init.connect(_install_when_asked, weak=False, dispatch_uid="celery-redlock-install")

@@ -23,6 +23,7 @@ __all__ = [
     "SETTINGS",
     "LockOptions",
     "check_settings",
+    "flag",
     "lock_url",
     "parse_queues",
     "redact_url",
@@ -129,7 +130,7 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
 
 #: Every app-wide setting this package reads.
 SETTINGS = frozenset(
-    {"redlock_url", "redlock_queues"}
+    {"redlock_url", "redlock_queues", "redlock_recover_stale", "redlock_stats"}
     | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
 )
 
@@ -244,6 +245,20 @@ def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         resolve(_QueueEntry(name), conf, name, options)
     resolve(_QueueEntry("*"), conf)
     return queues
+
+
+def flag(conf: Mapping[str, Any], setting: str, default: bool) -> bool:
+    """Read an on/off setting: ``True`` or ``False``, or ``default`` when unset.
+
+    Raises:
+        ConfigurationError: If the setting holds anything but a bool.
+    """
+    value = conf.get(setting)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigurationError(setting, value, "must be True or False")
+    return value
 
 
 def lock_url(conf: Mapping[str, Any]) -> str:

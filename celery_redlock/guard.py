@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 from . import signals
 from .conf import LockOptions, lock_url, resolve
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
-from .holder import Holder
+from .holder import Holder, queue_of
 from .keys import KeyBuilder
 from .lock import Lease, Lock
 
@@ -64,12 +64,17 @@ class TaskGuard:
         task: The task (a bound ``celery.Task`` instance).
         options: Its resolved lock options.
         client: The Redis client of the lock store.
+        queue: The locked queue whose calls this guard runs, if any; written
+            into the lock's value (else the queue the delivery names is).
     """
 
-    def __init__(self, task: Any, options: LockOptions, client: Any) -> None:
+    def __init__(
+        self, task: Any, options: LockOptions, client: Any, queue: str | None = None
+    ) -> None:
         self.task = task
         self.options = options
         self.client = client
+        self.queue = queue
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
@@ -96,7 +101,12 @@ class TaskGuard:
             on_lost=lambda lease: self._report_lost(lease, task_id),
             label=label,
         )
-        holder = Holder.new(request.id, request.hostname)
+        holder = Holder.new(
+            request.id,
+            request.hostname,
+            ttl=self.options.ttl,
+            queue=self.queue or queue_of(request.delivery_info),
+        )
         try:
             acquired = lock.acquire(token=holder.encode())
         except RedisError as exc:
@@ -340,5 +350,5 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app))
+        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app), queue)
     return guard

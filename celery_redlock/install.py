@@ -13,10 +13,19 @@ from typing import Any
 
 import click
 
-__all__ = ["WORKER_OPTION_NAME", "install", "worker_option"]
+__all__ = [
+    "RECOVER_OPTION_NAME",
+    "WORKER_OPTION_NAME",
+    "install",
+    "recover_option",
+    "worker_option",
+    "worker_options",
+]
 
 #: The keyword the worker option reaches bootsteps as.
 WORKER_OPTION_NAME = "redlock_queues"
+#: The keyword ``--redlock-recover/--no-redlock-recover`` reaches bootsteps as.
+RECOVER_OPTION_NAME = "redlock_recover"
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -37,15 +46,38 @@ def worker_option() -> click.Option:
     return option
 
 
+def recover_option() -> click.Option:
+    """Return the ``--redlock-recover/--no-redlock-recover`` option of ``celery worker``."""
+    from celery.bin.base import CeleryOption
+
+    option: click.Option = CeleryOption(
+        ["--redlock-recover/--no-redlock-recover"],
+        default=None,
+        help_group="Locking Options",
+        help=(
+            "celery-redlock: at start, release the locks left by a dead earlier run of this "
+            "worker (same node name and host); overrides the redlock_recover_stale setting."
+        ),
+    )
+    return option
+
+
+def worker_options() -> list[click.Option]:
+    """Return the options celery-redlock adds to ``celery worker``."""
+    return [worker_option(), recover_option()]
+
+
 def install(app: Any) -> None:
     """Connect celery-redlock to the workers of ``app``.
 
     Adds the worker bootstep that validates the redlock settings at worker
-    start, checks the lock store and turns on per-queue locking; the
-    ``--redlock-queues`` worker option (unless the ``celery redlock`` plugin
-    already added it); and the signal handler that releases the lock of a
-    task killed by ``revoke(terminate=True, signal="SIGKILL")``. Call it from
-    the module that creates the app; calling it again does nothing.
+    start, checks the lock store, turns on per-queue locking and the lock
+    counters, and releases the stale locks of a dead earlier run of the
+    worker; the ``--redlock-queues`` and ``--redlock-recover`` worker options
+    (unless the ``celery redlock`` plugin already added them); and the signal
+    handler that releases the lock of a task killed by
+    ``revoke(terminate=True, signal="SIGKILL")``. Call it from the module that
+    creates the app; calling it again does nothing.
     """
     if app in _installed:
         return
@@ -55,7 +87,9 @@ def install(app: Any) -> None:
     from . import hooks
     from .bootsteps import RedlockStep
 
-    if not any(param.name == WORKER_OPTION_NAME for param in worker_command.params):
-        app.user_options["worker"].add(worker_option())
+    known = {param.name for param in worker_command.params}
+    for option in worker_options():
+        if option.name not in known:
+            app.user_options["worker"].add(option)
     app.steps["worker"].add(RedlockStep)
     hooks.connect()

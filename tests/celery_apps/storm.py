@@ -18,6 +18,10 @@ one module serves every test without sharing state between them:
     ``"1"`` sets ``task_acks_late``.
 ``REDLOCK_TEST_QUEUES``
     JSON of ``redlock_queues``, when set.
+``REDLOCK_TEST_TTL``
+    ``redlock_ttl`` in seconds, when set (tasks without their own ``lock_ttl``).
+``REDLOCK_TEST_INSTALL``
+    ``"1"`` calls ``celery_redlock.install(app)`` (worker bootstep: stats, recovery).
 
 ``celery -A tests.celery_apps.storm`` builds the app from ``os.environ`` on
 first access of ``app``; tests build their own with :func:`create_app`.
@@ -35,7 +39,7 @@ from typing import Any
 import redis
 from celery import Celery, Task, bootsteps
 
-from celery_redlock import SingletonTask, current_lock
+from celery_redlock import SingletonTask, current_lock, install
 from tests.celery_harness import HistoryRecorder, record_execution
 
 __all__ = ["GATE_TIMEOUT", "create_app", "environment"]
@@ -100,6 +104,10 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     if env.get("REDLOCK_TEST_QUEUES"):
         app.conf.redlock_queues = json.loads(env["REDLOCK_TEST_QUEUES"])
+    if env.get("REDLOCK_TEST_TTL"):
+        app.conf.redlock_ttl = float(env["REDLOCK_TEST_TTL"])
+    if env.get("REDLOCK_TEST_INSTALL") == "1":
+        install(app)
     _register_tasks(app)
     _register_lifecycle_tasks(app)
     _register_plain_tasks(app)

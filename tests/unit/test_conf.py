@@ -98,3 +98,14 @@ def test_requeue_jitter_takes_off_at_most_its_share():
     options = LockOptions(requeue_delay=2.0, requeue_jitter=0.25)
     assert requeue_delay(options, 1, 0.999999) == pytest.approx(1.5, abs=1e-5)
     assert requeue_delay(LockOptions(requeue_jitter=0.0), 1, 0.9) == 1.0
+
+
+def test_flag_settings_accept_only_bools():
+    """redlock_recover_stale / redlock_stats: a bool or unset; anything else names the setting."""
+    from celery_redlock.conf import flag
+
+    assert flag({}, "redlock_stats", True) is True
+    assert flag({"redlock_recover_stale": False}, "redlock_recover_stale", True) is False
+    with pytest.raises(ConfigurationError, match="redlock_recover_stale"):
+        flag({"redlock_recover_stale": "yes"}, "redlock_recover_stale", True)
+    validate_settings({"redlock_recover_stale": True, "redlock_stats": False})

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
-from celery_redlock.holder import Holder
+from celery_redlock.holder import Holder, queue_of
 
 
 def test_holder_round_trips_and_tokens_are_unique():
@@ -38,3 +39,34 @@ def test_fragment_names_exactly_one_task_on_one_worker():
     assert Holder.fragment("task-1", "w2@host") not in value
     assert Holder.fragment("task-12", "w1@host") not in Holder.new("task-1", "w1@host").encode()
     assert Holder.fragment("task", "1|w1@host") not in value
+
+
+def test_v2_value_carries_acquisition_time_ttl_host_and_queue():
+    """The value records when, for how long, on which machine and from which queue."""
+    holder = Holder.new("task-1", "w1@node", ttl=2.5, queue="q1")
+    parsed = Holder.parse(holder.encode())
+    assert parsed == holder
+    assert parsed.ttl_ms == 2500 and parsed.queue == "q1" and parsed.host
+    assert abs(parsed.acquired_ms / 1000 - time.time()) < 5
+    assert holder.encode().startswith("v2|")
+
+
+def test_v1_values_still_parse():
+    """Locks written by the previous format are read, without the fields it lacked."""
+    parsed = Holder.parse(b"v1|tok|task-1|w1@node|123")
+    assert parsed == Holder(task_id="task-1", hostname="w1@node", pid=123, token="tok")
+    assert parsed.acquired_ms is None and parsed.host is None
+
+
+def test_no_ttl_and_no_queue_round_trip():
+    """A lock without expiry or known queue encodes both as empty and reads them back."""
+    holder = Holder.new("t", "n")
+    parsed = Holder.parse(holder.encode())
+    assert parsed is not None and parsed.ttl_ms == 0 and parsed.queue is None
+
+
+def test_queue_of_reads_direct_routes_only():
+    """The default direct route names the queue; a named exchange does not."""
+    assert queue_of({"exchange": "", "routing_key": "q1"}) == "q1"
+    assert queue_of({"exchange": "tasks", "routing_key": "q1"}) is None
+    assert queue_of(None) is None

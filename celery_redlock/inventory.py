@@ -1,0 +1,223 @@
+"""The lock store's inventory: find task locks with ``SCAN`` and read who holds them.
+
+Nothing here runs on a task's path; it serves the ``celery redlock`` commands
+and the stale-lock recovery at worker start. Keys are found with ``SCAN``
+(never ``KEYS``, which blocks the server) on every primary of a Redis Cluster,
+and each batch of found keys is read in one pipelined round trip: the value,
+its PTTL and the fence counter, stamped with the server's clock.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .holder import Holder
+from .keys import KEY_VERSION
+from .lock import fence_key_for
+
+__all__ = ["LockInfo", "find_locks", "lock_pattern", "parse_key", "read_locks", "scan"]
+
+#: Keys fetched per pipelined read.
+READ_BATCH = 200
+#: SCAN's COUNT hint: how many slots the server visits per call.
+SCAN_COUNT = 1000
+
+_KEY = re.compile(
+    rf"^(?P<prefix>.+):{KEY_VERSION}:\{{(?P<task>.+):(?P<digest>[0-9a-f]{{64}})\}}$", re.S
+)
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+def _glob_escape(text: str) -> str:
+    return _GLOB_SPECIAL.sub(r"\\\1", text)
+
+
+def lock_pattern(prefix: str, task: str | None = None) -> str:
+    """Return the ``SCAN MATCH`` pattern of the locks under ``prefix`` (of one task, if given)."""
+    name = _glob_escape(task) if task is not None else "*"
+    return f"{_glob_escape(prefix)}:{KEY_VERSION}:{{{name}:*"
+
+
+def parse_key(key: str) -> tuple[str, str] | None:
+    """Return ``(prefix, task name)`` of a task lock key, ``None`` for any other key."""
+    match = _KEY.match(key)
+    if match is None:
+        return None
+    return match["prefix"], match["task"]
+
+
+def scan(client: Any, pattern: str, count: int = SCAN_COUNT) -> Iterator[str]:
+    """Yield the keys matching ``pattern``, from every primary when ``client`` is a Cluster."""
+    primaries = getattr(client, "get_primaries", None)
+    nodes = [client.get_redis_connection(node) for node in primaries()] if primaries else [client]
+    seen: set[str] = set()
+    for node in nodes:
+        for raw in node.scan_iter(match=pattern, count=count):
+            key = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            # SCAN may return a key twice (the table was resized meanwhile).
+            if key not in seen:
+                seen.add(key)
+                yield key
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """One task lock as read from the store.
+
+    Attributes:
+        key: The lock key.
+        task: The task name from the key.
+        value: The stored value, decoded.
+        holder: The holder the value names (``None`` for a value of another format).
+        ttl: Seconds the lock has left (``None``: no expiry).
+        fence: The key's fence counter: the fence of the latest acquisition.
+        server_time: The server's clock when the lock was read, Unix seconds.
+    """
+
+    key: str
+    task: str
+    value: str
+    holder: Holder | None
+    ttl: float | None
+    fence: int | None
+    server_time: float
+
+    @property
+    def acquired_at(self) -> float | None:
+        """Unix time of the acquisition (the holder's clock), if the value records it."""
+        if self.holder is None or not self.holder.acquired_ms:
+            return None
+        return self.holder.acquired_ms / 1000
+
+    @property
+    def renewed_at(self) -> float | None:
+        """Unix time of the latest renewal, if there was one after the acquisition.
+
+        Every renewal sets the TTL back to its full length, so the time since
+        the latest one is the full TTL minus what is left.
+        """
+        ttl_ms = self.holder.ttl_ms if self.holder is not None else None
+        acquired = self.acquired_at
+        if not ttl_ms or self.ttl is None or acquired is None:
+            return None
+        renewed = self.server_time - (ttl_ms / 1000 - self.ttl)
+        # Within the round trip and clock skew of the acquisition: not renewed.
+        return renewed if renewed - acquired > ttl_ms / 1000 / 12 else None
+
+    @property
+    def renewals(self) -> int | None:
+        """How many times the watchdog renewed the lock, derived from its TTL and age.
+
+        The watchdog renews a lease every third of its TTL, so the count is the
+        time from acquisition to the latest renewal over that period, rounded.
+        Exact for a process holding one lock at a time (a prefork child); a
+        process renewing many locks in one pass may renew some a little
+        early, which this count does not see. ``None`` when the value does not
+        carry the acquisition time and TTL.
+        """
+        ttl_ms = self.holder.ttl_ms if self.holder is not None else None
+        acquired = self.acquired_at
+        if not ttl_ms or acquired is None or self.ttl is None:
+            return None
+        renewed = self.renewed_at
+        if renewed is None:
+            return 0
+        return max(1, round((renewed - acquired) / (ttl_ms / 1000 / 3)))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The lock as plain JSON-ready data (what ``--json`` prints)."""
+        holder = asdict(self.holder) if self.holder is not None else None
+        if holder is not None:
+            holder.pop("token")
+        return {
+            "key": self.key,
+            "task": self.task,
+            "holder": holder,
+            "acquired_at": self.acquired_at,
+            "ttl": self.ttl,
+            "renewals": self.renewals,
+            "renewed_at": self.renewed_at,
+            "fence": self.fence,
+            "value": self.value,
+        }
+
+
+def _decode(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _server_time(client: Any) -> float:
+    try:
+        reply = client.time()
+        if isinstance(reply, dict):  # a Cluster client answers per node
+            reply = next(iter(reply.values()))
+        seconds, micros = reply
+        return float(seconds) + float(micros) / 1_000_000
+    except Exception:  # TIME may be disabled (renamed) on managed servers
+        return time.time()
+
+
+def read_locks(client: Any, keys: Sequence[str]) -> list[LockInfo]:
+    """Read ``keys`` in one pipelined round trip; keys gone meanwhile are left out."""
+    if not keys:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.get(key)
+        pipe.pttl(key)
+        pipe.get(fence_key_for(key))
+    replies = pipe.execute()
+    now = _server_time(client)
+    found: list[LockInfo] = []
+    for i, key in enumerate(keys):
+        raw, pttl_ms, fence = replies[3 * i : 3 * i + 3]
+        value = _decode(raw)
+        parsed = parse_key(key)
+        if value is None or parsed is None:
+            continue
+        fence_text = _decode(fence)
+        found.append(
+            LockInfo(
+                key=key,
+                task=parsed[1],
+                value=value,
+                holder=Holder.parse(value),
+                ttl=pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None,
+                fence=int(fence_text) if fence_text and fence_text.isdigit() else None,
+                server_time=now,
+            )
+        )
+    return found
+
+
+def find_locks(
+    client: Any, prefixes: Iterable[str], task: str | None = None, queue: str | None = None
+) -> Iterator[LockInfo]:
+    """Yield the task locks under ``prefixes`` (of one task, one queue, if given).
+
+    Fence keys and other keys sharing a prefix are skipped. A lock whose
+    value does not record its queue never matches a ``queue`` filter.
+    """
+    for prefix in dict.fromkeys(prefixes):
+        batch: list[str] = []
+        for key in scan(client, lock_pattern(prefix, task)):
+            parsed = parse_key(key)
+            if parsed is None or parsed[0] != prefix or (task is not None and parsed[1] != task):
+                continue
+            batch.append(key)
+            if len(batch) >= READ_BATCH:
+                yield from _matching(read_locks(client, batch), queue)
+                batch = []
+        yield from _matching(read_locks(client, batch), queue)
+
+
+def _matching(locks: Iterable[LockInfo], queue: str | None) -> Iterator[LockInfo]:
+    for info in locks:
+        if queue is None or (info.holder is not None and info.holder.queue == queue):
+            yield info
