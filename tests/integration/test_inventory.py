@@ -1,0 +1,163 @@
+"""The inventory and stale-lock recovery on real servers: one Redis, and a 3-primary Cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+
+from celery_redlock import Lock
+from celery_redlock.holder import Holder
+from celery_redlock.inventory import find_locks
+from celery_redlock.keys import KeyBuilder
+from celery_redlock.recovery import recover_stale
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.integration
+
+SLOTS = 16384
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _key(task: str, n: int, prefix: str = "ops") -> str:
+    return KeyBuilder(task, lambda n: n, None, prefix).key_for((n,), {})
+
+
+def _take(client: Any, key: str, holder: Holder, ttl: float = 60) -> None:
+    lock = Lock(client, key, timeout=ttl, blocking=False, auto_renew=False)
+    assert lock.acquire(token=holder.encode())
+
+
+def test_find_locks_lists_held_locks_and_skips_fences_and_other_prefixes(r: redis.Redis) -> None:
+    """Every lock under the prefix is found once, with holder, TTL and fence; nothing else."""
+    keys = [_key("app.a", n) for n in range(250)]  # more than one read batch
+    for n, key in enumerate(keys):
+        _take(r, key, Holder.new(f"id-{n}", "w1@h", ttl=60, queue="q1" if n % 2 else "q2"))
+    _take(r, _key("app.a", 0, prefix="other"), Holder.new("x", "w1@h", ttl=60))
+    r.set("ops:unrelated", "1")
+
+    found = {info.key: info for info in find_locks(r, ["ops"])}
+    assert set(found) == set(keys)
+    first = found[keys[0]]
+    assert first.holder is not None and first.holder.task_id == "id-0"
+    assert first.ttl is not None and 0 < first.ttl <= 60
+    assert first.fence is not None and first.renewals == 0
+    assert len(list(find_locks(r, ["ops"], task="app.a", queue="q1"))) == 125
+    assert list(find_locks(r, ["ops"], task="app.b")) == []
+
+
+def test_recovery_releases_only_dead_processes_of_this_node_and_host(r: redis.Redis) -> None:
+    """Dead pid + same node + same host: released. Live pid, other node, other host, v1: kept."""
+    dead = _dead_pid()
+    here = Holder.new("t", "w1@h").host
+    assert here is not None
+
+    def holder(node: str, pid: int, host: str | None) -> Holder:
+        base = Holder.new("t", node, ttl=60)
+        return Holder(
+            task_id=base.task_id,
+            hostname=node,
+            pid=pid,
+            token=base.token,
+            acquired_ms=base.acquired_ms,
+            ttl_ms=base.ttl_ms,
+            host=host,
+        )
+
+    stale = _key("app.a", 1)
+    kept = {
+        _key("app.a", 2): holder("w1@h", os.getpid(), here),  # alive
+        _key("app.a", 3): holder("w2@h", dead, here),  # another node
+        _key("app.a", 4): holder("w1@h", dead, "elsewhere"),  # another host
+    }
+    _take(r, stale, holder("w1@h", dead, here))
+    for key, value in kept.items():
+        _take(r, key, value)
+    v1 = _key("app.a", 5)
+    r.set(v1, f"v1|tok|t|w1@h|{dead}", px=60_000)
+
+    released = recover_stale(r, ["ops"], "w1@h", here)
+    assert [info.key for info in released] == [stale]
+    assert not r.exists(stale)
+    assert all(r.exists(key) for key in [*kept, v1])
+
+
+@pytest.fixture
+def cluster(tmp_path: Any) -> Iterator[RedisCluster]:
+    """Three private cluster-enabled servers, each primary for a third of the slots."""
+    servers = []
+    try:
+        for i in range(3):
+            server = RedisServer(
+                workdir=tmp_path / f"node{i}",
+                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+            )
+            servers.append(server.start())
+        bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
+        for i, server in enumerate(servers):
+            admin = server.client()
+            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", bounds[i], bounds[i + 1] - 1)
+            for other in servers:
+                if other is not server:
+                    admin.execute_command("CLUSTER", "MEET", "127.0.0.1", other.port)
+        deadline = time.monotonic() + 20
+        while not all(_cluster_ok(server) for server in servers):
+            assert time.monotonic() < deadline, "cluster did not converge"
+            time.sleep(0.1)
+        client = RedisCluster(host="127.0.0.1", port=servers[0].port)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        for server in servers:
+            server.close()
+
+
+def _cluster_ok(server: RedisServer) -> bool:
+    info = server.client().execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text and "cluster_known_nodes:3" in text
+
+
+@pytest.mark.timeout(60)
+def test_find_and_recover_on_a_cluster_scan_every_primary(cluster: RedisCluster) -> None:
+    """Locks spread over three primaries are all found, read and released through SCAN per node."""
+    keys = [_key("app.c", n) for n in range(60)]
+    dead = _dead_pid()
+    here = Holder.new("t", "n").host
+    for n, key in enumerate(keys):
+        base = Holder.new(f"id-{n}", "w1@h", ttl=60)
+        value = Holder(
+            task_id=base.task_id,
+            hostname="w1@h",
+            pid=dead,
+            token=base.token,
+            acquired_ms=base.acquired_ms,
+            ttl_ms=base.ttl_ms,
+            host=here,
+        )
+        _take(cluster, key, value)
+    owners = {cluster.get_node_from_key(key).name for key in keys}
+    assert len(owners) == 3  # the test means something only if the keys are spread
+
+    found = list(find_locks(cluster, ["ops"]))
+    assert sorted(info.key for info in found) == sorted(keys)
+    assert all(info.fence and info.ttl for info in found)
+
+    released = recover_stale(cluster, ["ops"], "w1@h", here)
+    assert len(released) == len(keys)
+    assert not any(cluster.exists(key) for key in keys)
