@@ -76,16 +76,23 @@ class StatsTable:
     def _reset_process(self) -> None:
         # Threads of one process (threads pool, the watchdog) share its row.
         self._lock = threading.Lock()
+        # Found on first use: right after a fork billiard has not yet told the
+        # child which pool process it is.
+        self._base: int | None = None
+
+    def _own_base(self) -> int:
         index = _process_index()
         slot = 0 if index is None else 1 + index % (self.slots - 1)
         self._base = slot * self._width
+        return self._base
 
     def add(self, task: str, counter: int) -> None:
         """Add one to ``counter`` (an index into :data:`COUNTERS`) of ``task``."""
         row = self._rows.get(task)
         if row is None:
             row = self._rows[OTHER_TASKS]
-        cell = self._base + row * len(COUNTERS) + counter
+        base = self._base if self._base is not None else self._own_base()
+        cell = base + row * len(COUNTERS) + counter
         with self._lock:
             self._cells[cell] += 1
 

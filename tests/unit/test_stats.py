@@ -41,3 +41,32 @@ def test_forked_children_count_into_the_parents_table():
     assert os.waitstatus_to_exitcode(status) == 0
     totals = table.totals()["a"]
     assert totals["acquired"] == 1 and totals["released"] == 5
+
+
+def _count_many(table: StatsTable, times: int) -> None:
+    for _ in range(times):
+        table.add("a", COUNTERS.index("acquired"))
+
+
+def test_pool_processes_counting_at_once_lose_nothing():
+    """Two billiard pool processes (index 0 and 1) counting at the same time: every count lands.
+
+    Each writes its own row, found after billiard names the process; sharing
+    one row would lose increments to the race between read and write.
+    """
+    from billiard.context import ForkProcess
+
+    table = StatsTable(["a"], processes=2)
+    times = 300000
+    workers = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for index in range(2):
+            process = ForkProcess(target=_count_many, args=(table, times))
+            process.index = index
+            process.start()
+            workers.append(process)
+    for process in workers:
+        process.join(30)
+        assert process.exitcode == 0
+    assert table.totals()["a"]["acquired"] == 2 * times
