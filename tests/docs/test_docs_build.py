@@ -73,3 +73,15 @@ def test_api_reference_is_generated_from_docstrings(site):
     assert "takes a Redis lock keyed by its arguments" in html
     assert "Task state recorded for a call skipped" in html
     assert ":class:" not in html and ":func:" not in html and ":data:" not in html
+
+
+@pytest.mark.timeout(120)
+def test_code_blocks_render_as_blocks(site):
+    """No fenced code block leaks into a page as text (a fence indented inside a list does)."""
+    out, _ = site
+    leaked = [
+        page.name
+        for page in sorted(out.glob("*.html"))
+        if "```" in page.read_text() or "<p><code>python" in page.read_text()
+    ]
+    assert not leaked
