@@ -128,8 +128,8 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
     """Worker bootstep of celery-redlock (added by :func:`celery_redlock.install`).
 
     Receives the ``--redlock-queues`` worker option as ``redlock_queues`` and
-    ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover`` (which
-    wins over the ``redlock_recover_stale`` setting). A configuration error
+    ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover_stale``
+    (which wins over the setting of that name). A configuration error
     stops a command-line worker with one line naming the setting and value; a
     programmatic worker gets the ``ConfigurationError``.
     """
@@ -140,7 +140,7 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
         self,
         worker: Any,
         redlock_queues: str | None = None,
-        redlock_recover: bool | None = None,
+        redlock_recover_stale: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(worker, **kwargs)
@@ -148,12 +148,12 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
         try:
             self.locks = prepare_worker(app, redlock_queues, dict(app.amqp.queues.consume_from))
             recover = flag(app.conf, "redlock_recover_stale", True)
-            if redlock_recover is not None:
-                if not isinstance(redlock_recover, bool):
+            if redlock_recover_stale is not None:
+                if not isinstance(redlock_recover_stale, bool):
                     raise ConfigurationError(
-                        "--redlock-recover", redlock_recover, "must be True or False"
+                        "--redlock-recover", redlock_recover_stale, "must be True or False"
                     )
-                recover = redlock_recover
+                recover = redlock_recover_stale
             counting = flag(app.conf, "redlock_stats", True)
         except ConfigurationError as exc:
             from celery.apps.worker import Worker as CommandLineWorker

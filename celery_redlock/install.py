@@ -24,8 +24,9 @@ __all__ = [
 
 #: The keyword the worker option reaches bootsteps as.
 WORKER_OPTION_NAME = "redlock_queues"
-#: The keyword ``--redlock-recover/--no-redlock-recover`` reaches bootsteps as.
-RECOVER_OPTION_NAME = "redlock_recover"
+#: The keyword ``--redlock-recover/--no-redlock-recover`` reaches bootsteps as:
+#: the name of the setting it overrides.
+RECOVER_OPTION_NAME = "redlock_recover_stale"
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -51,7 +52,7 @@ def recover_option() -> click.Option:
     from celery.bin.base import CeleryOption
 
     option: click.Option = CeleryOption(
-        ["--redlock-recover/--no-redlock-recover"],
+        ["--redlock-recover/--no-redlock-recover", RECOVER_OPTION_NAME],
         default=None,
         help_group="Locking Options",
         help=(
