@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -95,17 +97,40 @@ def test_recovery_releases_only_dead_processes_of_this_node_and_host(r: redis.Re
     assert all(r.exists(key) for key in [*kept, v1])
 
 
+def _cluster_port() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free and valid too."""
+    for _ in range(100):
+        port = random.randint(20000, 55000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _start_node(workdir: Any) -> RedisServer:
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    for attempt in range(5):
+        server = RedisServer(
+            workdir=workdir / f"try{attempt}", port=_cluster_port(), extra_args=args
+        )
+        try:
+            return server.start()
+        except Exception:  # the port was taken in between: pick another
+            server.close()
+    raise RuntimeError("could not start a cluster node")
+
+
 @pytest.fixture
 def cluster(tmp_path: Any) -> Iterator[RedisCluster]:
     """Three private cluster-enabled servers, each primary for a third of the slots."""
     servers = []
     try:
         for i in range(3):
-            server = RedisServer(
-                workdir=tmp_path / f"node{i}",
-                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
-            )
-            servers.append(server.start())
+            servers.append(_start_node(tmp_path / f"node{i}"))
         bounds = [0, SLOTS // 3, 2 * SLOTS // 3, SLOTS]
         for i, server in enumerate(servers):
             admin = server.client()

@@ -70,3 +70,36 @@ def test_pool_processes_counting_at_once_lose_nothing():
         process.join(30)
         assert process.exitcode == 0
     assert table.totals()["a"]["acquired"] == 2 * times
+
+
+def test_lock_signals_land_in_their_counters():
+    """Each lock signal of a task adds to its counter; a release of a lost lock is not counted."""
+    from celery import Celery
+
+    from celery_redlock import signals, stats
+
+    app = Celery("stats-signals", set_as_current=False)
+
+    @app.task(name="t.one", shared=False)
+    def one() -> None:
+        """A task to send signals for."""
+
+    task = app.tasks["t.one"]
+    table = stats.enable(app, processes=1)
+    signals.lock_acquired.send(sender=task, task_id="i", key="k", fence=1, ttl=1.0)
+    for action in ("skip", "skip", "requeue", "raise"):
+        signals.lock_contended.send(
+            sender=task, task_id="i", key="k", holder=None, action=action, attempt=0
+        )
+    signals.lock_lost.send(sender=task, task_id="i", key="k", fence=1, reason="expired")
+    signals.lock_released.send(sender=task, task_id="i", key="k", fence=1, owned=False)
+    signals.lock_released.send(sender=task, task_id="i", key="k", fence=2, owned=True)
+    assert table.totals()["t.one"] == {
+        "acquired": 1,
+        "skipped": 2,
+        "requeued": 1,
+        "raised": 1,
+        "lost": 1,
+        "released": 1,
+    }
+    assert stats.table_for(app) is table
