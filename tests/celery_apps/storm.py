@@ -22,6 +22,8 @@ one module serves every test without sharing state between them:
     ``redlock_ttl`` in seconds, when set (tasks without their own ``lock_ttl``).
 ``REDLOCK_TEST_INSTALL``
     ``"1"`` calls ``celery_redlock.install(app)`` (worker bootstep: stats, recovery).
+``REDLOCK_TEST_SETTINGS``
+    JSON object of further settings, applied last.
 
 ``celery -A tests.celery_apps.storm`` builds the app from ``os.environ`` on
 first access of ``app``; tests build their own with :func:`create_app`.
@@ -106,6 +108,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         app.conf.redlock_queues = json.loads(env["REDLOCK_TEST_QUEUES"])
     if env.get("REDLOCK_TEST_TTL"):
         app.conf.redlock_ttl = float(env["REDLOCK_TEST_TTL"])
+    if env.get("REDLOCK_TEST_SETTINGS"):
+        app.conf.update(json.loads(env["REDLOCK_TEST_SETTINGS"]))
     if env.get("REDLOCK_TEST_INSTALL") == "1":
         install(app)
     _register_tasks(app)

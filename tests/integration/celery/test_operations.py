@@ -25,7 +25,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
 from celery_redlock.cli import redlock
-from tests.celery_harness import REPO_ROOT, CeleryWorker, task_states, wait_until
+from tests.celery_harness import REPO_ROOT, CeleryWorker, WorkerError, task_states, wait_until
 from tests.integration.celery.conftest import WorkerFactory
 
 #: TTL of the tests' locks: long enough that expiry never explains a release.
@@ -310,3 +310,17 @@ def test_restart_after_kill_9_releases_only_the_dead_incarnations_locks(
     assert time.monotonic() - began < 15  # restart included; the TTL had 30 s or more left
     assert db9.get(live_key) == live_value  # the live peer's lock is untouched
     assert peer.running
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("setting", ["redlock_recover_stale", "redlock_stats"])
+def test_worker_refuses_to_start_with_a_non_bool_operations_setting(
+    storm_env: dict[str, str], worker_factory: WorkerFactory, setting: str
+) -> None:
+    """A worker exits at start with one line naming the setting and its bad value."""
+    worker_factory.env = {**storm_env, "REDLOCK_TEST_SETTINGS": json.dumps({setting: "yes"})}
+    worker = worker_factory.create("solo")
+    worker.spawn()
+    with pytest.raises(WorkerError, match="exited with"):
+        worker.wait_ready(timeout=30)
+    assert f"celery-redlock: configuration error: {setting}='yes'" in worker.log()
