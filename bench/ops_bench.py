@@ -344,8 +344,9 @@ def summarize(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{json.dumps(counted)} (expected {expected} acquired and released)",
         "- On a shared 2-CPU machine the worker rates move by more than 2% between runs of the "
         "same code (see bare-again): read the full arm against that noise floor. The traced "
-        "comparison and the in-process figures are the measures precise enough for the 2% "
-        "budget.",
+        "comparison narrows it to one process (its quartiles show what load still does); the "
+        "in-process figure, the microseconds the two additions cost, is the measure precise "
+        "enough for the 2% budget.",
     ]
     return "\n".join(lines) + "\n"
 
