@@ -239,7 +239,7 @@ def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
         except RedisError as exc:
             if options.on_redis_error != "run":
                 raise
-            unprotected(options, key, exc)
+            unprotected(options.name, key, exc)
             return func(*args, **kwargs)
         if not acquired:
             return conflict(options, key, lock.local.holder)
@@ -257,10 +257,10 @@ def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
     return cast(F, wrapper)
 
 
-def unprotected(options: CallOptions, key: str, exc: RedisError) -> None:
-    """Log that a call runs without its lock because the lock store failed."""
+def unprotected(name: str, key: str, exc: RedisError) -> None:
+    """Log that a call of ``name`` runs without its lock because the lock store failed."""
     logger.warning(
-        "%s: lock store unreachable for %s (%r); running WITHOUT the lock", options.name, key, exc
+        "%s: lock store unreachable for %s (%r); running WITHOUT the lock", name, key, exc
     )
 
 

@@ -52,7 +52,7 @@ def wrap_async(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
         except RedisError as exc:
             if options.on_redis_error != "run":
                 raise
-            unprotected(options, key, exc)
+            unprotected(options.name, key, exc)
             return await func(*args, **kwargs)
         if not acquired:
             return conflict(options, key, lock.local.holder)
