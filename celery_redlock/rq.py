@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 from rq import Queue, Retry, get_current_job
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
+from rq.version import VERSION as RQ_VERSION
 
 from .conf import OPTIONS, LockOptions
 from .decorator import unprotected
@@ -175,6 +176,13 @@ def singleton_job(
         max_requeues=OPTIONS["max_requeues"][0]("max_requeues", max_requeues),
         key_prefix=OPTIONS["key_prefix"][0]("key_prefix", key_prefix),
     )
+    if "requeue" in (options.on_conflict, options.on_redis_error) and not _returns_retry():
+        raise ConfigurationError(
+            "on_conflict",
+            "requeue",
+            f"needs RQ >= 2.3, whose workers reschedule a job that returns Retry "
+            f"(installed: {RQ_VERSION}); an older worker would finish the job instead",
+        )
     runner = _JobRunner(func, job_name, options, skipped, client)
 
     @functools.wraps(func)
@@ -183,6 +191,12 @@ def singleton_job(
 
     wrapper.lock_key_for = lambda *a, **kw: runner.keys.key_for(a, kw)  # type: ignore[attr-defined]
     return wrapper
+
+
+def _returns_retry() -> bool:
+    """Whether this RQ's workers treat a returned ``Retry`` as a request to retry."""
+    major, minor = (int(part) for part in RQ_VERSION.split(".")[:2])
+    return (major, minor) >= (2, 3)
 
 
 class _JobRunner:
