@@ -393,12 +393,18 @@ class Lock:
             state.renewal = None
         deletion = detach(run_script(RELEASE, self.redis, (self.name,), (token,)))
         cancelled = await settle(deletion)
+        if deletion.cancelled():  # the loop is shutting down under us
+            raise asyncio.CancelledError()
+        failure = deletion.exception()
+        owned = failure is None and bool(deletion.result())
+        if failure is None and not owned and lease is not None:
+            lease.lost = True
+            lease.loss_reason = "not owned at release"
         if cancelled:
             raise asyncio.CancelledError()
-        if not deletion.result():
-            if lease is not None:
-                lease.lost = True
-                lease.loss_reason = "not owned at release"
+        if failure is not None:
+            raise failure
+        if not owned:
             raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
 
     def extend(
