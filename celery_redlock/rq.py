@@ -54,9 +54,9 @@ CONFLICT_ACTIONS = ("skip", "raise", "requeue")
 #: What a run does when the lock store cannot be reached.
 REDIS_ERROR_ACTIONS = ("raise", "run", "requeue")
 #: ``job.meta`` entry counting the requeues of a job by its lock.
-REQUEUES_META = "redlock_requeues"
+REQUEUES_META = "x_redlock_requeues"
 #: ``job.meta`` entry describing why a run was skipped.
-SKIP_META = "redlock_skipped"
+SKIP_META = "x_redlock_skipped"
 
 # Job statuses after which a job will not run again by itself.
 _DONE = ("finished", "failed", "stopped", "canceled")
