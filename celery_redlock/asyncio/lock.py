@@ -41,7 +41,7 @@ from celery_redlock.lock import (
 )
 from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
 
-from .renewal import keep_alive
+from .renewal import Renewer, keep_alive, renew_on
 from .scripts import run_script
 from .shielding import detach, settle
 
@@ -269,7 +269,7 @@ class Lock:
                 state.token = encoded
                 lease = state.lease
                 if self.auto_renew and lease is not None:
-                    state.renewal = detach(keep_alive(lease, self.redis, self._clock))
+                    state.renewal = detach(keep_alive(lease, self._renewer(), self._clock))
                 return True
             if not blocking:
                 return False
@@ -332,9 +332,14 @@ class Lock:
             )
         return True, int(reply)
 
+    def _renewer(self) -> Renewer:
+        """How the renewal task renews this lock's leases (must not hold ``self``)."""
+        return renew_on(self.redis)
+
     async def _undo(self, token: bytes) -> None:
+        """Give back what an acquisition cancelled mid-flight may have taken."""
         try:
-            await run_script(RELEASE, self.redis, (self.name,), (token,))
+            await self._send_release(token)
         except RedisError as exc:
             logger.warning(
                 "lock %s taken by a cancelled acquire could not be released (%r); "
@@ -391,7 +396,7 @@ class Lock:
         if state.renewal is not None:
             state.renewal.cancel()
             state.renewal = None
-        deletion = detach(run_script(RELEASE, self.redis, (self.name,), (token,)))
+        deletion = detach(self._send_release(token))
         cancelled = await settle(deletion)
         if deletion.cancelled():  # the loop is shutting down under us
             raise asyncio.CancelledError()
@@ -406,6 +411,10 @@ class Lock:
             raise failure
         if not owned:
             raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
+
+    async def _send_release(self, token: bytes) -> bool:
+        """One release round trip: ``True`` if the lock held ``token`` and is deleted."""
+        return bool(await run_script(RELEASE, self.redis, (self.name,), (token,)))
 
     def extend(
         self, additional_time: Number, replace_ttl: bool = False
@@ -453,15 +462,20 @@ class Lock:
         lease, token = state.lease, state.token
         assert lease is not None and token is not None
         sent_at = self._clock()
-        (pttl_ms,) = await run_script(
-            RENEW, self.redis, (self.name,), ("1" if replace else "0", token, ms)
-        )
+        pttl_ms = await self._send_renew(lease, ms, replace)
         if not pttl_ms:
             lease.mark_lost(f"not owned at {operation}")
             raise LockNotOwned(
                 f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
             )
         lease.validate_until(sent_at, pttl_ms / 1000)
+
+    async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:
+        """One renew round trip: the new TTL in ms, or 0 if the lock is not ours."""
+        (pttl_ms,) = await run_script(
+            RENEW, self.redis, (self.name,), ("1" if replace else "0", lease.token, ms)
+        )
+        return int(pttl_ms)
 
     # -- additions ------------------------------------------------------------------
 

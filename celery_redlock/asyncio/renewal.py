@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
@@ -23,7 +24,10 @@ from celery_redlock.scripts import RENEW
 
 from .scripts import run_script
 
-__all__ = ["RENEWAL_TIMEOUT", "keep_alive"]
+__all__ = ["RENEWAL_TIMEOUT", "Renewer", "keep_alive", "renew_on"]
+
+#: Renews a lease to ``ms`` milliseconds; gives the new TTL in ms, 0 if not ours.
+Renewer = Callable[[Lease, int], Awaitable[int]]
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +40,21 @@ def _retry_delay(ttl: float) -> float:
     return min(1.0, max(0.05, ttl / 10))
 
 
-async def keep_alive(lease: Lease, client: Any, clock: Any) -> None:
-    """Renew ``lease`` on ``client`` every third of its TTL until it ends.
+def renew_on(client: Any) -> Renewer:
+    """The renewer of leases on one server, through ``client``."""
 
-    Run it as a task; cancel the task to stop renewing (release does).
+    async def renew(lease: Lease, ms: int) -> int:
+        (pttl_ms,) = await run_script(RENEW, client, (lease.name,), ("1", lease.token, ms))
+        return int(pttl_ms)
+
+    return renew
+
+
+async def keep_alive(lease: Lease, renew: Renewer, clock: Any) -> None:
+    """Renew ``lease`` with ``renew`` every third of its TTL until it ends.
+
+    Run it as a task; cancel the task to stop renewing (release does). The
+    renewer must not hold the lock object, whose collection ends the renewals.
     """
     ttl = lease.ttl
     assert ttl is not None
@@ -59,10 +74,7 @@ async def keep_alive(lease: Lease, client: Any, clock: Any) -> None:
             return
         sent_at = clock()
         try:
-            (pttl_ms,) = await asyncio.wait_for(
-                run_script(RENEW, client, (lease.name,), ("1", lease.token, ttl_ms)),
-                RENEWAL_TIMEOUT,
-            )
+            pttl_ms = await asyncio.wait_for(renew(lease, ttl_ms), RENEWAL_TIMEOUT)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             if lease.released:
                 return
