@@ -35,7 +35,7 @@ from rq.job import Job
 from rq.version import VERSION as RQ_VERSION
 
 from .conf import OPTIONS, LockOptions
-from .decorator import unprotected
+from .decorator import released_badly, unprotected
 from .exceptions import ConfigurationError, LockNotAcquired
 from .guard import _current, requeue_delay
 from .holder import Holder
@@ -248,8 +248,6 @@ class _JobRunner:
             try:
                 lock.release()
             except Exception as exc:  # the job's outcome stands; say what happened
-                from .decorator import released_badly
-
                 released_badly(lease, exc)
 
     def _redis_failed(
