@@ -273,10 +273,15 @@ class Lock:
                 return True
             if not blocking:
                 return False
-            next_try_at = self._clock() + sleep
+            delay = self._retry_delay(sleep)
+            next_try_at = self._clock() + delay
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False
-            await asyncio.sleep(sleep)
+            await asyncio.sleep(delay)
+
+    def _retry_delay(self, sleep: Number) -> float:
+        """Seconds to wait before the next attempt of a blocking acquire."""
+        return float(sleep)
 
     def _encode_token(self, token: str | bytes) -> bytes:
         encoded: bytes = self.redis.get_encoder().encode(token)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import sys
 import time
 
 import pytest
@@ -179,5 +180,25 @@ def test_wait_for_records_the_hold_for_the_caller(arun):
         assert await lock.owned()
         await lock.release()
         assert await client.get("via-wait-for") is None
+
+    arun(scenario)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout() is new in 3.11")
+def test_asyncio_timeout_during_an_acquire_in_flight_becomes_timeout_error(arun, redis_server):
+    """asyncio.timeout() expiring mid-acquire raises TimeoutError once the attempt is undone."""
+
+    async def scenario(client):
+        lock = Lock(client, "timed", timeout=None)
+        redis_server.pause()
+        loop = asyncio.get_running_loop()
+        # Resume the server a little after the timeout fires, from the loop itself.
+        loop.call_later(0.3, redis_server.resume)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await lock.acquire(blocking=False)
+        assert await client.exists("{timed}:fence")  # the acquire ran on the server...
+        assert await client.get("timed") is None  # ...and was undone
+        assert lock.token is None
 
     arun(scenario)
