@@ -79,9 +79,15 @@ def create_app(env: Mapping[str, str]) -> Celery:
         redlock_key_prefix=prefix,
         task_default_queue=env["REDLOCK_TEST_QUEUE"],
         control_exchange=f"{prefix}.ctl",
-        # Unacknowledged messages of a dropped connection come back after this
-        # long, not after kombu's default hour; longer than any task here.
-        broker_transport_options={"visibility_timeout": 20},
+        broker_transport_options={
+            # Unacknowledged messages of a dropped connection come back after
+            # this long, not after kombu's default hour; longer than any task here.
+            "visibility_timeout": 20,
+            # A command on a frozen broker fails (and the worker reconnects)
+            # instead of blocking the worker's event loop for good.
+            "socket_timeout": 2,
+            "socket_connect_timeout": 2,
+        },
         result_backend_transport_options=keyprefix,
         broker_connection_retry_on_startup=True,
         broker_connection_retry=True,

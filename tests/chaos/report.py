@@ -27,7 +27,8 @@ SCENARIOS: dict[str, str] = {
     "lock store frozen (SIGSTOP) beyond lock_ttl": "safe, no loss",
     "SCRIPT FLUSH on the lock store mid-run": "safe, no loss",
     "lock store restarted empty while a lock is held": "NOT promised; fencing contains it",
-    "broker connections dropped and restored": "safe, no loss",
+    "broker frozen (SIGSTOP), then resumed": "safe, no loss",
+    "broker connections killed (CLIENT KILL)": "safe; loss not promised (Redis transport)",
     "Redlock, 5 masters: minority killed, hung, restarted empty": "safe, no loss",
 }
 
