@@ -11,11 +11,11 @@ frozen by SIGSTOP it is the deadline computed before it froze. The checks:
   was lost is not a violation; it is reported as a *stale holder*, and the
   fencing checks below cover its writes;
 - **fence order**: per key, fences strictly increase in start order;
-- **fenced writes**: the store applied each key's writes in
-  non-decreasing fence order (one holder writes more than once) (so a stale holder's write that came after a higher
-  fence was rejected); every write it applied matches an execution of that key
-  and fence; and no holder had a write rejected while it still believed it
-  held the lock (that would mean someone else got a higher fence meanwhile);
+- **fenced writes**: the store applied each key's writes in non-decreasing
+  fence order (one holder writes more than once), so a stale holder's write
+  that came after a higher fence was rejected; every write it applied matches
+  an execution of that key and fence; and no holder had a write rejected while
+  it still believed it held the lock (someone else got a higher fence meanwhile);
 - **no lost task**: every submitted id ended as executed (a success with a
   finished execution on record), skipped by policy, or failed with a stated
   reason.

@@ -94,11 +94,14 @@ class CeleryChaos:
 
     def wait_running(self, run: str, count: int, timeout: float = 20) -> list[Execution]:
         """Wait until at least ``count`` executions of ``run`` are running; return them."""
-        return wait_until(
-            lambda: (lambda found: found if len(found) >= count else None)(self.running(run)),
-            timeout,
-            message=f"{count} running executions of {run}",
-        )
+        found: list[Execution] = []
+
+        def enough() -> bool:
+            found[:] = self.running(run)
+            return len(found) >= count
+
+        wait_until(enough, timeout, message=f"{count} running executions of {run}")
+        return found
 
     def wait_settled(self, task_ids: Sequence[str], timeout: float) -> dict[str, tuple[str, Any]]:
         """Wait until every task is SUCCESS, FAILURE or SKIPPED; return the states."""

@@ -47,7 +47,7 @@ def assert_safe(verdict: Verdict) -> None:
 
 @pytest.mark.timeout(60)
 def test_sigkill_of_a_child_mid_task_with_acks_late(celery_chaos: CeleryChaos) -> None:
-    """acks_late: killed runs are redelivered and run again, after the dead holder's lock expired."""
+    """acks_late: killed runs are redelivered and run again once the dead holder's lock expired."""
     c = celery_chaos
     run = c.new_run()
     ids = c.submit("chaos.work", run, spread(9, 0.5))
@@ -101,7 +101,7 @@ def test_sigstop_of_a_holder_beyond_its_ttl(celery_chaos: CeleryChaos) -> None:
     try:
         # The duplicate is requeued until the frozen holder's lock expires.
         (second,) = c.submit("chaos.work", run, [("res", 2.5)])
-        (newer,) = wait_until(
+        wait_until(
             lambda: by_task(c.running(run), second), 20, message="the second holder to start"
         )
         lock_store = c.lock_store.client()
@@ -166,15 +166,10 @@ def test_script_flush_mid_run(celery_chaos: CeleryChaos) -> None:
     admin = c.lock_store.client()
     flushes = 3
     for _ in range(flushes):
-        started = len(c.executions(run))
         c.wait_running(run, 1)
         admin.script_flush()
-        # Wait for renewals (a third of the TTL) and a new acquisition after the flush.
-        wait_until(
-            lambda: len(c.executions(run)) > started or not c.running(run),
-            20,
-            message="progress after SCRIPT FLUSH",
-        )
+        # A new acquisition after the flush (or nothing left to run).
+        wait_progress(c, run)
     states = c.wait_settled(ids, timeout=40)
 
     verdict = c.verdict(run, ids, states)
@@ -281,9 +276,13 @@ def settle_or_give_up(c: CeleryChaos, ids: list[str], timeout: float) -> dict[st
 
 
 def wait_progress(c: CeleryChaos, run: str) -> None:
-    """Wait until an execution of ``run`` starts, or nothing is left to start."""
+    """Wait until another execution of ``run`` starts, or none is left running."""
     started = len(c.executions(run))
-    wait_until(lambda: progressed(c, run, started), 30, message=f"progress of {run}")
+    wait_until(
+        lambda: progressed(c, run, started) or not c.running(run),
+        30,
+        message=f"progress of {run}",
+    )
 
 
 def progressed(c: CeleryChaos, run: str, started: int) -> bool:

@@ -53,7 +53,9 @@ def history() -> Iterator[tuple[redis.Redis, str]]:
         client.close()
 
 
-def start_drivers(masters: list[RedisServer], run: str, log_dir: Path) -> list[subprocess.Popen[bytes]]:
+def start_drivers(
+    masters: list[RedisServer], run: str, log_dir: Path
+) -> list[subprocess.Popen[bytes]]:
     """Start the driver processes; they run until the run's stop key is set."""
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     log_dir.mkdir(parents=True, exist_ok=True)

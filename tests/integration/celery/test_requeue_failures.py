@@ -70,7 +70,11 @@ def start_duplicate(
 @pytest.mark.parametrize("acks_late", [True], ids=["acks_late"])
 @pytest.mark.timeout(60)
 def test_acks_late_duplicate_is_redelivered_and_runs(
-    storm_app: Celery, worker_factory: WorkerFactory, history: History, db9: redis.Redis, prefix: str
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    history: History,
+    db9: redis.Redis,
+    prefix: str,
 ) -> None:
     """acks_late: the message goes back to the broker and the call runs once the lock is free."""
     gate = f"{prefix}:gate"
@@ -84,7 +88,11 @@ def test_acks_late_duplicate_is_redelivered_and_runs(
 
 @pytest.mark.timeout(60)
 def test_early_ack_duplicate_fails_naming_the_lock(
-    storm_app: Celery, worker_factory: WorkerFactory, history: History, db9: redis.Redis, prefix: str
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    history: History,
+    db9: redis.Redis,
+    prefix: str,
 ) -> None:
     """Early ack: the message is gone, so the call fails, saying it could not be requeued."""
     gate = f"{prefix}:gate"
