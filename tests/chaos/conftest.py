@@ -40,6 +40,8 @@ from tests.chaos.history import FencedStore
 from tests.redis_servers import RedisServer
 
 APP_MODULE = "tests.celery_apps.chaos"
+#: How often each scenario runs; the table sums its runs.
+REPEATS = 2
 WORKERS = 3
 CONCURRENCY = 2
 #: States after which a task will not change any more.
@@ -128,6 +130,12 @@ class CeleryChaos:
     def worker_logs(self) -> str:
         """Every worker's log, for assertion messages."""
         return "\n".join(worker.log_tail(15) for worker in self.workers)
+
+
+@pytest.fixture(params=range(REPEATS), ids=lambda i: f"run{i}")
+def attempt(request: pytest.FixtureRequest) -> int:
+    """Which run of the scenario this is (every scenario module uses it)."""
+    return int(request.param)
 
 
 def _worker(env: dict[str, str], prefix: str, log_dir: Path, name: str) -> CeleryWorker:

@@ -24,7 +24,8 @@ from tests.chaos import report
 from tests.chaos.checker import Execution, Verdict
 from tests.chaos.conftest import CeleryChaos
 
-pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+# Every scenario runs REPEATS times (the ``attempt`` fixture of conftest.py).
+pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.usefixtures("attempt")]
 
 RESOURCES = 3
 

@@ -31,7 +31,8 @@ from tests.chaos.checker import check, load_executions, load_outcomes
 from tests.chaos.history import FencedStore, stop_key, submitted_key
 from tests.redis_servers import RedisServer
 
-pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+# Every scenario runs REPEATS times (the ``attempt`` fixture of conftest.py).
+pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.usefixtures("attempt")]
 
 MASTERS = 5
 DRIVERS = 3
