@@ -18,6 +18,8 @@ one module serves every test without sharing state between them:
     ``"1"`` sets ``task_acks_late``.
 ``REDLOCK_TEST_QUEUES``
     JSON of ``redlock_queues``, when set.
+``REDLOCK_TEST_BROKER_WRITE``
+    ``broker_write_url``, when set: where the worker publishes (requeues) to.
 ``REDLOCK_TEST_TTL``
     ``redlock_ttl`` in seconds, when set (tasks without their own ``lock_ttl``).
 ``REDLOCK_TEST_INSTALL``
@@ -106,6 +108,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     if env.get("REDLOCK_TEST_QUEUES"):
         app.conf.redlock_queues = json.loads(env["REDLOCK_TEST_QUEUES"])
+    if env.get("REDLOCK_TEST_BROKER_WRITE"):
+        app.conf.broker_write_url = env["REDLOCK_TEST_BROKER_WRITE"]
     if env.get("REDLOCK_TEST_TTL"):
         app.conf.redlock_ttl = float(env["REDLOCK_TEST_TTL"])
     if env.get("REDLOCK_TEST_SETTINGS"):
