@@ -64,8 +64,8 @@ class TaskGuard:
         task: The task (a bound ``celery.Task`` instance).
         options: Its resolved lock options.
         client: The Redis client of the lock store.
-        queue: The locked queue whose calls this guard runs, if any; written
-            into the lock's value (else the queue the delivery names is).
+        queue: The locked queue this guard serves, if any. The lock's value
+            records it; without it, the queue the delivery's route names.
     """
 
     def __init__(
