@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
 from .keys import KeySpec
+from .store import parse_store, redact_url
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -34,8 +34,6 @@ __all__ = [
 CONFLICT_POLICIES = ("skip", "requeue", "raise")
 #: What a task does when the lock's Redis cannot be reached.
 REDIS_ERROR_POLICIES = ("requeue", "run", "raise")
-
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
 
 #: Every app-wide setting this package reads.
 SETTINGS = frozenset(
-    {"redlock_url", "redlock_queues"}
+    {"redlock_url", "redlock_queues", "redlock_transport_options"}
     | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
 )
 
@@ -247,39 +245,11 @@ def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def lock_url(conf: Mapping[str, Any]) -> str:
-    """Return the Redis URL of the lock store: ``redlock_url``, else a Redis broker URL.
+    """Check the lock store setting (see :mod:`celery_redlock.store`); return its description.
+
+    The description has no password: it is meant for messages and logs.
 
     Raises:
-        ConfigurationError: If neither gives a Redis URL.
+        ConfigurationError: If neither ``redlock_url`` nor the broker gives a lock store.
     """
-    url = conf.get("redlock_url")
-    if url is not None:
-        if not isinstance(url, str) or urlsplit(url).scheme not in _REDIS_SCHEMES:
-            raise ConfigurationError(
-                "redlock_url", url, "must be a redis://, rediss:// or unix:// URL"
-            )
-        return url
-    broker = conf.get("broker_url")
-    if isinstance(broker, (list, tuple)):
-        broker = broker[0] if broker else None
-    if isinstance(broker, str):
-        # Failover lists are written "url1;url2"; the first is the primary.
-        broker = broker.split(";")[0].strip()
-        if urlsplit(broker).scheme in _REDIS_SCHEMES:
-            return broker
-    raise ConfigurationError(
-        "redlock_url",
-        None,
-        f"is not set and the broker URL ({redact_url(broker)}) is not a Redis URL; "
-        "set redlock_url = 'redis://host:6379/0'",
-    )
-
-
-def redact_url(url: Any) -> str:
-    """Return ``url`` with its password masked, for messages and logs."""
-    if not isinstance(url, str):
-        return repr(url)
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+    return parse_store(conf).describe()

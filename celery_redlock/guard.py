@@ -15,18 +15,18 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
-import redis
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 from celery.states import READY_STATES
 from redis.exceptions import RedisError
 
 from . import signals
-from .conf import LockOptions, lock_url, resolve
+from .conf import LockOptions, resolve
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Holder
 from .keys import KeyBuilder
 from .lock import Lease, Lock
+from .store import LockStore, store_for
 
 __all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for"]
 
@@ -63,13 +63,13 @@ class TaskGuard:
     Args:
         task: The task (a bound ``celery.Task`` instance).
         options: Its resolved lock options.
-        client: The Redis client of the lock store.
+        store: The lock store (one Redis, Redlock masters, Cluster or Sentinel).
     """
 
-    def __init__(self, task: Any, options: LockOptions, client: Any) -> None:
+    def __init__(self, task: Any, options: LockOptions, store: LockStore) -> None:
         self.task = task
         self.options = options
-        self.client = client
+        self.store = store
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
@@ -84,20 +84,20 @@ class TaskGuard:
         task_id = request.id
         key = self.keys.key_for(args, kwargs)
         label = f"task {task.name}[{task_id}]"
-        lock = Lock(
-            self.client,
-            key,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            # Only the id: the lease outlives the run in the watchdog's heap,
-            # and the request would keep the call's arguments alive with it.
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
-        )
         holder = Holder.new(request.id, request.hostname)
         try:
+            # Inside the try: a Cluster client connects when first built.
+            lock = self.store.lock(
+                key,
+                timeout=self.options.ttl,
+                blocking=False,
+                thread_local=False,
+                auto_renew=True,
+                # Only the id: the lease outlives the run in the watchdog's heap,
+                # and the request would keep the call's arguments alive with it.
+                on_lost=lambda lease: self._report_lost(lease, task_id),
+                label=label,
+            )
             acquired = lock.acquire(token=holder.encode())
         except RedisError as exc:
             return self._redis_failed(key, exc, body)
@@ -309,19 +309,6 @@ def _describe(holder: Holder | None) -> str:
 
 
 _guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
-_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def client_for(app: Any) -> Any:
-    """Return this process's Redis client of the lock store of ``app``."""
-    url = lock_url(app.conf)
-    cached = _clients.get(app)
-    if cached is None or cached[0] != url:
-        # Timeouts bound how long a run waits on a broken Redis before its
-        # on_redis_error policy takes over; the URL's own query wins.
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-        cached = _clients[app] = (url, client)
-    return cached[1]
 
 
 def guard_for(
@@ -340,5 +327,5 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app))
+        guard = per_queue[queue] = TaskGuard(task, options, store_for(task.app))
     return guard

@@ -21,7 +21,6 @@ from redis.exceptions import RedisError
 from .guard import guard_for
 from .holder import Holder
 from .queues import GUARDED_ATTRIBUTE, QueueLocks, registered
-from .scripts import RELEASE_HELD_BY
 
 __all__ = ["connect"]
 
@@ -52,9 +51,7 @@ def _release_killed(
     guard = guard_for(task, queue, locks.locked[queue] if locks and queue else None)
     try:
         key = guard.keys.key_for(request.args or (), request.kwargs or {})
-        released = RELEASE_HELD_BY(
-            guard.client, (key,), (Holder.fragment(request.id, request.hostname),)
-        )
+        released = guard.store.release_held_by(key, Holder.fragment(request.id, request.hostname))
     except Exception as exc:  # a handler must not take the worker down
         level = logging.WARNING if isinstance(exc, RedisError) else logging.ERROR
         logger.log(
