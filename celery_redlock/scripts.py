@@ -118,6 +118,10 @@ class Script:
                 # fails on first use; like redis-py, try once more on a fresh
                 # one. Timeouts are not retried: the server may be hung.
                 connection.disconnect()
+                # Explicitly: a Sentinel connection asks the Sentinels for the
+                # current master in connect() only; the lazy connect of the next
+                # send would return to the demoted one.
+                connection.connect()
                 return self._run(connection, keys, args)
         except ResponseError:
             raise  # the server answered: the connection is in a clean state
