@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import os
 import select
 import time
 from collections.abc import Callable, Sequence
@@ -25,12 +26,70 @@ from .nodes import Connected, Node, Request
 
 __all__ = ["NOT_ASKED", "PENDING", "Round", "Settle"]
 
+#: Most bytes moved from a readable socket into its reader at once.
+PREFETCH_SIZE = 65536
 #: How often a caller waiting on both sockets and background jobs checks the jobs.
 JOB_POLL = 0.001
 
 PENDING = object()
 NOT_ASKED = object()
 Settle = Callable[[int, Any], bool]
+
+
+def send(conn: Any, packed: Any) -> None:
+    """Write a packed command (a list of chunks, as redis-py packs it) to ``conn``.
+
+    A socket with a timeout is non-blocking underneath, and Python polls it
+    before every ``send()``; one ``write()`` without that poll nearly always
+    takes the whole command, because a command is far smaller than the socket
+    buffer. What it does not take goes through redis-py, timeout and all.
+
+    Raises:
+        redis.exceptions.ConnectionError: If the socket fails (closed by the server).
+    """
+    sock = conn._sock
+    if sock is None or sock.timeout is None or len(packed) != 1:
+        conn.send_packed_command(packed, check_health=False)
+        return
+    data = packed[0]
+    try:
+        sent = os.write(sock.fileno(), data)
+    except BlockingIOError:
+        sent = 0
+    except OSError as exc:
+        conn.disconnect()
+        raise redis.ConnectionError(f"Error {exc.errno} while writing to socket: {exc}") from exc
+    if sent < len(data):
+        conn.send_packed_command([data[sent:]], check_health=False)
+
+
+def prefetch(conn: Any, fd: int) -> None:
+    """Move what a readable socket holds into ``conn``'s hiredis reader, without a poll.
+
+    The caller's ``poll()`` said the socket is readable, so the extra poll
+    Python makes before a ``recv()`` on a socket with a timeout is wasted.
+    ``read_response()`` then finds whole replies in the reader and reads the
+    socket itself (with its timeout) only for a reply that is still incomplete.
+    Connections without a hiredis reader are left to ``read_response()``.
+
+    Raises:
+        redis.exceptions.ConnectionError: If the server closed the connection.
+    """
+    reader = getattr(conn._parser, "_reader", None)
+    sock = conn._sock
+    if reader is None or sock is None or sock.timeout is None:
+        return
+    try:
+        data = os.read(fd, PREFETCH_SIZE)
+    except BlockingIOError:
+        return
+    except OSError as exc:
+        conn.disconnect()
+        raise redis.ConnectionError(f"Error while reading from socket: {exc}") from exc
+    if not data:
+        conn.disconnect()
+        raise redis.ConnectionError("Connection closed by server.")
+    reader.feed(data)
 
 
 class Round:
@@ -91,7 +150,7 @@ class Round:
 
     def _write(self, i: int, conn: Any, skip: int, reused: bool, packed: Any) -> None:
         try:
-            conn.send_packed_command(packed, check_health=False)
+            send(conn, packed)
         except RedisError as exc:  # the connection closed itself
             self.nodes[i].scripts.clear()
             if not self._retry(i, reused, exc):
@@ -152,6 +211,7 @@ class Round:
         request = self.requests[i]
         assert request is not None
         try:
+            prefetch(conn, fd)
             while skip:
                 # Replies to earlier requests on this connection come first.
                 try:
