@@ -105,7 +105,7 @@ def test_singleton_task_end_to_end_on_a_cluster(cluster, redis_server):
     )
     started, finish = threading.Event(), threading.Event()
 
-    @app.task(base=SingletonTask, name="t.sync")
+    @app.task(base=SingletonTask, name="t.sync_on_cluster")
     def sync(account):
         started.set()
         finish.wait(10)
