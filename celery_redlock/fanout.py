@@ -31,8 +31,11 @@ PREFETCH_SIZE = 65536
 #: How often a caller waiting on both sockets and background jobs checks the jobs.
 JOB_POLL = 0.001
 
+#: Outcome of a master asked but not heard from (yet).
 PENDING = object()
+#: Outcome of a master this round did not ask.
 NOT_ASKED = object()
+#: ``settle(master index, reply or error)``: ``True`` once the round is decided.
 Settle = Callable[[int, Any], bool]
 
 

@@ -26,6 +26,7 @@ from .scripts import RELEASE, Arg, Script
 
 __all__ = ["Connected", "Master", "Node", "Request", "bounded_client", "node_for"]
 
+#: A master as given to Redlock: a ``redis.Redis`` client or a ``redis://`` URL.
 Master = Union[str, Any]
 
 #: Idle connections kept per master; more are closed when returned.

@@ -19,8 +19,9 @@ from .nodes import Node, Request
 
 __all__ = ["NODE_TIMEOUT_MAX", "NODE_TIMEOUT_MIN", "Masters", "Votes", "default_node_timeout"]
 
-#: Bounds of the default node timeout, a tenth of the TTL.
+#: Least default node timeout in seconds (the default is a tenth of the TTL).
 NODE_TIMEOUT_MIN = 0.05
+#: Greatest default node timeout in seconds.
 NODE_TIMEOUT_MAX = 1.0
 
 
