@@ -1,11 +1,14 @@
 """SingletonTask, unchanged, on a Redlock store (a list of URLs) and on a Sentinel store.
 
+Also: an unreachable Cluster and a bad Redlock list, as a worker meets them.
+
 The Cluster store has its own module (``test_topology_cluster.py``), which
 shares one cluster between its tests.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -16,7 +19,14 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_redlock import SKIPPED, SingletonTask, current_lock
+from celery_redlock import (
+    SKIPPED,
+    ConfigurationError,
+    LockError,
+    SingletonTask,
+    current_lock,
+    install,
+)
 from celery_redlock.bootsteps import check_lock_store
 from celery_redlock.holder import Holder
 from celery_redlock.store import store_for
@@ -115,3 +125,46 @@ def test_killed_holder_is_released_on_every_redlock_master(redis_servers):
     assert holding("t:v1:{t.job:1}") == 0
     assert holding("t:v1:{t.job:2}") == held_by_other
     store.close()
+
+
+def test_unreachable_cluster_follows_on_redis_error(redis_server):
+    """A Cluster that cannot be reached when the client is built is a Redis error, not a crash.
+
+    redis-py connects while building a Cluster client; the task's
+    on_redis_error policy decides (here: raise LockError), as for any outage.
+    """
+    app = Celery(f"topology-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed_port = sock.getsockname()[1]  # nobody listens once the block ends
+    app.conf.update(
+        broker_url=redis_server.url,
+        redlock_url=f"redis+cluster://127.0.0.1:{closed_port}?socket_connect_timeout=0.2",
+        redlock_on_redis_error="raise",
+    )
+    runs = []
+
+    @app.task(base=SingletonTask, name="t.cluster_down")
+    def job():
+        runs.append(1)
+
+    with pytest.raises(LockError, match="lock store unreachable"):
+        job.apply(throw=True).get()
+    assert runs == []
+    assert "unreachable" in check_lock_store(app)
+
+
+def test_a_list_naming_one_server_twice_stops_the_worker(redis_server):
+    """A Redlock list with a duplicate master fails at worker start, naming the entry."""
+    app = Celery(f"topology-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.update(
+        broker_url=redis_server.url,
+        worker_hijack_root_logger=False,
+        redlock_url=[redis_server.url, "redis://127.0.0.1:1/0", redis_server.url],
+    )
+    install(app)
+    worker = start_worker(app, pool="solo", perform_ping_check=False)
+    duplicate = r"redlock_url\[2\].*same server"
+    with pytest.raises(ConfigurationError, match=duplicate) as info, worker:
+        pass
+    assert info.value.setting == "redlock_url[2]"
