@@ -98,7 +98,7 @@ def test_unreplicated_lock_is_lost_in_failover(group):
     replicated(group)
 
     replica.pause()  # SIGSTOP: it can neither read nor reconnect
-    group.master.client().client_kill_filter(_type="replica")
+    group.master.client().execute_command("CLIENT", "KILL", "TYPE", "replica")
     first = store.lock(name, timeout=30)
     assert first.acquire(blocking=False)
     assert group.master.client().info("replication")["connected_slaves"] == 0
