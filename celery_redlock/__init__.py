@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .exceptions import (
     ConfigurationError,
+    DuplicateTask,
     LockError,
     LockKeyError,
     LockNotAcquired,
@@ -26,6 +27,7 @@ from .task import SingletonTask
 __all__ = [
     "SKIPPED",
     "ConfigurationError",
+    "DuplicateTask",
     "Lease",
     "Lock",
     "LockError",

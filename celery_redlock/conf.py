@@ -18,6 +18,8 @@ from .keys import KeySpec
 
 __all__ = [
     "CONFLICT_POLICIES",
+    "DUPLICATE_POLICIES",
+    "MODES",
     "OPTIONS",
     "REDIS_ERROR_POLICIES",
     "SETTINGS",
@@ -34,6 +36,10 @@ __all__ = [
 CONFLICT_POLICIES = ("skip", "requeue", "raise")
 #: What a task does when the lock's Redis cannot be reached.
 REDIS_ERROR_POLICIES = ("requeue", "run", "raise")
+#: When the lock is held: the lock windows (see docs/modes.md).
+MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
+#: What ``apply_async`` does when a copy of the call is already enqueued.
+DUPLICATE_POLICIES = ("return_existing", "raise")
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
 
@@ -53,6 +59,9 @@ class LockOptions:
         max_requeues: Most requeues of one task before it fails; not charged
             against the task's ``max_retries``.
         key_prefix: Prefix of every lock key.
+        mode: When the lock is held: one of :data:`MODES`.
+        on_duplicate: ``"return_existing"`` or ``"raise"`` (enqueue modes only).
+        enqueue_ttl: Seconds an enqueue lock lasts beyond the call's countdown/eta.
     """
 
     ttl: float = 10.0
@@ -64,6 +73,9 @@ class LockOptions:
     requeue_jitter: float = 0.5
     max_requeues: int = 100
     key_prefix: str = "redlock"
+    mode: str = "while_executing"
+    on_duplicate: str = "return_existing"
+    enqueue_ttl: float = 600.0
 
 
 Validator = Callable[[str, Any], Any]
@@ -125,6 +137,9 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
     "requeue_jitter": (_fraction, True),
     "max_requeues": (_count, True),
     "key_prefix": (_prefix, True),
+    "mode": (_choice(MODES), True),
+    "on_duplicate": (_choice(DUPLICATE_POLICIES), True),
+    "enqueue_ttl": (_seconds, True),
 }
 
 #: Every app-wide setting this package reads.
@@ -167,6 +182,14 @@ def resolve(
             "redlock_requeue_max_delay",
             options.requeue_max_delay,
             f"is below requeue_delay={options.requeue_delay}",
+        )
+    if queue is not None and queue_options.get("mode", MODES[0]) != MODES[0]:
+        # Plain tasks never pass through SingletonTask.apply_async, so a queue
+        # cannot take an enqueue lock for them.
+        raise ConfigurationError(
+            f"redlock_queues[{queue!r}].mode",
+            queue_options["mode"],
+            "a queue can only lock while_executing; set lock_mode on the task",
         )
     return options
 

@@ -84,18 +84,7 @@ class TaskGuard:
         task_id = request.id
         key = self.keys.key_for(args, kwargs)
         label = f"task {task.name}[{task_id}]"
-        lock = Lock(
-            self.client,
-            key,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            # Only the id: the lease outlives the run in the watchdog's heap,
-            # and the request would keep the call's arguments alive with it.
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
-        )
+        lock = self._new_lock(key, task_id, label)
         holder = Holder.new(request.id, request.hostname)
         try:
             acquired = lock.acquire(token=holder.encode())
@@ -118,6 +107,21 @@ class TaskGuard:
         finally:
             _current.reset(context)
             self._release(lock, lease)
+
+    def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
+        """Build the lock one run takes (enqueue modes take it differently)."""
+        return Lock(
+            self.client,
+            key,
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            # Only the id: the lease outlives the run in the watchdog's heap,
+            # and the request would keep the call's arguments alive with it.
+            on_lost=lambda lease: self._report_lost(lease, task_id),
+            label=label,
+        )
 
     def _release(self, lock: Lock, lease: Lease) -> None:
         # Runs in the finally of the task body: before Celery stores the result,
@@ -340,5 +344,10 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app))
+        factory: type[TaskGuard] = TaskGuard
+        if options.mode != "while_executing":
+            from .enqueue import EnqueueGuard  # enqueue.py builds on this module
+
+            factory = EnqueueGuard
+        guard = per_queue[queue] = factory(task, options, client_for(task.app))
     return guard
