@@ -18,6 +18,7 @@ from typing import Any
 import redis
 from celery import Celery, Task
 from celery import signals as celery_signals
+from celery.exceptions import Reject
 
 from celery_redlock import SingletonTask, current_lock, signals
 from celery_redlock.conf import MODES
@@ -201,6 +202,18 @@ def register(app: Celery) -> None:
     def storm(self: Task, x: Any, seconds: float) -> Any:
         """Run ``seconds``; a copy that meets the running one is requeued."""
         return _run_recorded(self, x, None, seconds)
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name="modes.reject",
+        lock_mode="until_executed",
+    )
+    def reject(self: Task, x: Any) -> Any:
+        """Reject the message for good (FAILURE, written by the worker's main process)."""
+        _announce(self)
+        raise Reject(f"rejecting {x}", requeue=False)
 
     @app.task(bind=True, shared=False, name="modes.after")
     def after(self: Task, *args: Any) -> Any:

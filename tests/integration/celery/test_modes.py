@@ -274,20 +274,21 @@ def test_lock_store_down_at_enqueue(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ENQUEUE_MODES)
 def test_revoked_queued_task_frees_its_key(
-    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+    mode: str, storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
 ) -> None:
-    """revoke() of a queued until_executed task: the worker discards it and frees the key."""
+    """revoke() of a queued task: the worker discards it and frees its enqueue lock."""
     # One pool process, busy: the main process takes the revoke while the task waits.
     worker_factory("prefork", 1)
-    task = storm_app.tasks[modes.task_name("until_executed")]
+    task = storm_app.tasks[modes.task_name(mode)]
     gate = gate_name(prefix)
-    busy = task.delay("busy", gate)  # keeps the solo worker busy
+    busy = task.delay("busy", gate)
     wait_started(db9, prefix, busy.id)
     queued = task.delay("queued")
-    key = task.lock_key_for("queued")
+    key = reservation_key(mode, task.lock_key_for("queued"))
     assert holder_of(db9, key) == queued.id
-    replies = storm_app.control.revoke(queued.id, reply=True, timeout=5)
+    replies = storm_app.control.revoke(queued.id, reply=True, timeout=5, limit=1)
     assert replies, "the worker acknowledged the revoke"
     db9.set(gate, 1)
     wait_until(lambda: not db9.exists(key), timeout=15, message=f"{key} to be freed")
@@ -297,6 +298,20 @@ def test_revoked_queued_task_frees_its_key(
     again = task.delay("queued")
     assert again.id != queued.id
     assert again.get(timeout=20) == "queued"
+
+
+@pytest.mark.timeout(60)
+def test_reject_releases_an_until_executed_lock(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """A task that rejects its message lets go of the lock it held since apply_async."""
+    worker_factory("solo")
+    task = storm_app.tasks["modes.reject"]
+    result = task.delay(6)
+    wait_started(db9, prefix, result.id)
+    wait_until(lambda: result.state == "FAILURE", timeout=15, message="the rejection")
+    assert not db9.exists(task.lock_key_for(6))
+    assert task.delay(6).id != result.id
 
 
 @pytest.mark.timeout(90)
