@@ -166,9 +166,12 @@ def test_retries_keep_the_lock_until_the_final_attempt(
     before_final = [s for s in samples if s[2] < attempts]
     assert len(before_final) > 10
     assert all(holder == result.id and dup == result.id for holder, dup, _ in before_final)
-    # Released after the final failure: the next call is a new task.
-    assert not db9.exists(key)
-    assert len(starts(db9, prefix)) == attempts
+    # Released after the final failure: the next call is a new task. (A sample
+    # taken between the release and the stored result may already be one.)
+    newer = {dup for _, dup, _ in samples if dup != result.id}
+    assert all(count >= attempts for _, dup, count in samples if dup != result.id)
+    assert holder_of(db9, key) in newer | {None}
+    assert task.delay(3).id != result.id
     assert not db9.exists(modes.lapsed_key(prefix))
 
 
