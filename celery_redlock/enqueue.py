@@ -24,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from celery.utils import uuid
 from redis.exceptions import RedisError
@@ -381,7 +381,7 @@ class EnqueueGuard(TaskGuard):
             label=label,
         )
 
-    def _conflict(self, key: str, lock: Lock) -> Any:
+    def _conflict(self, key: str, lock: Lock) -> NoReturn:
         try:
             super()._conflict(key, lock)
         finally:
