@@ -9,6 +9,9 @@ flushed script costs one extra round trip, never a failed operation.
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -37,6 +40,35 @@ def _checkout(pool: Any) -> Any:
         return pool.get_connection()
     except TypeError:
         return pool.get_connection("EVALSHA")
+
+
+class _Reserved:
+    """One connection per pool and process that the hot path keeps checked out.
+
+    Checking a connection out of a redis-py pool and back in costs more client
+    CPU than the script call itself (locks, a readiness poll, metrics), twice
+    per task. A prefork child runs one task at a time, so one connection it
+    keeps serves nearly every call; a call that finds it busy (another thread,
+    the watchdog) uses the pool as before.
+    """
+
+    __slots__ = ("busy", "connection")
+
+    def __init__(self) -> None:
+        self.busy = threading.Lock()
+        self.connection: Any = None
+
+
+_reserved: weakref.WeakKeyDictionary[Any, _Reserved] = weakref.WeakKeyDictionary()
+
+
+def _forget_reserved() -> None:
+    # A forked child must not use its parent's sockets; redis-py resets the
+    # pools themselves when the child first uses them.
+    _reserved.clear()
+
+
+os.register_at_fork(after_in_child=_forget_reserved)
 
 
 class Script:
@@ -71,25 +103,39 @@ class Script:
         # The hot path of every task: talk to a pooled connection directly,
         # without redis-py's per-command bookkeeping (about a third of the
         # client's CPU per command).
+        reserved = _reserved.get(pool)
+        if reserved is None:
+            reserved = _reserved.setdefault(pool, _Reserved())
+        if reserved.busy.acquire(blocking=False):
+            try:
+                if reserved.connection is None:
+                    reserved.connection = _checkout(pool)
+                return self._exchange(reserved.connection, keys, args)
+            finally:
+                reserved.busy.release()
         connection = _checkout(pool)
+        try:
+            return self._exchange(connection, keys, args)
+        finally:
+            pool.release(connection)
+
+    def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         try:
             try:
                 return self._run(connection, keys, args)
             except RedisConnectionError:
-                # A pooled connection the server closed (a restart, an idle
-                # timeout) fails on first use; like redis-py, try once more on a
-                # fresh one. Timeouts are not retried: the server may be hung.
+                # A connection the server closed (a restart, an idle timeout)
+                # fails on first use; like redis-py, try once more on a fresh
+                # one. Timeouts are not retried: the server may be hung.
                 connection.disconnect()
                 return self._run(connection, keys, args)
         except ResponseError:
             raise  # the server answered: the connection is in a clean state
         except BaseException:
-            # Anything else may leave a reply unread on the socket: never hand
-            # that connection out again.
+            # Anything else may leave a reply unread on the socket: reconnect
+            # before the connection is used again.
             connection.disconnect()
             raise
-        finally:
-            pool.release(connection)
 
     def _run(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)

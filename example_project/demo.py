@@ -8,6 +8,10 @@ starts a prefork worker, and plays three scenarios:
 2. requeue: 5 calls of ``rebuild_report(7)``; all run, one after another.
 3. fencing: ``charge_card(99, ...)`` and a lock holder that stalls past its TTL;
    the ledger refuses the stale holder's write.
+4. per-queue locking of plain tasks: 5 calls of ``export_statement(7)`` on the
+   queue the app's ``redlock_queues`` locks (requeue: all run, one at a time),
+   and 10 calls of ``send_reminder(42)`` on the queue the worker's
+   ``--redlock-queues`` locks (skip: one runs).
 
 It exits 0 when every expectation holds, 1 when one fails, 2 when no Redis
 could be found. Whatever happens, it stops the worker (and a Redis it
@@ -34,6 +38,7 @@ from typing import Any
 import redis
 
 from celery_redlock import SKIPPED, Lock
+from celery_redlock.keys import KeyBuilder
 
 from .journal import Run, read_events, read_runs, server_time
 from .ledger import balance, record_charge
@@ -91,6 +96,7 @@ class Step:
 
     label: str
     policy: str
+    locked_by: str
     ids: list[str]
     t0: float  # Redis clock when the first call was sent
     began: float = field(default_factory=time.monotonic)
@@ -240,38 +246,43 @@ class Demo:
 
     # -- scenarios -------------------------------------------------------------------
 
-    def skip_storm(self) -> Step:
-        sync = self.tasks.sync_invoices
-        print("\n1. skip: 20 x sync_invoices(42), 19 of them sent while the first one runs")
-        step = Step("sync_invoices(42)", "skip", [], server_time(self.client))
-        first = sync.delay(42)
+    def lock_key(self, task: Any, *args: Any) -> str:
+        """The lock key a call takes, for plain tasks too (they have no ``lock_key_for``)."""
+        prefix = self.app.conf.redlock_key_prefix
+        return str(KeyBuilder(task.name, task.run, None, prefix).key_for(args, {}))
+
+    def skip_storm(self, task: Any, arg: int, total: int, locked_by: str) -> Step:
+        """Send one call, and ``total - 1`` more while it holds its lock; one must run."""
+        name = f"{task.name.rsplit('.', 1)[-1]}({arg})"
+        step = Step(name, "skip", locked_by, [], server_time(self.client))
+        first = task.delay(arg)
         step.ids.append(first.id)
-        key = sync.lock_key_for(42)
+        key = self.lock_key(task, arg)
         self.wait_for_key("   first call takes its lock ...", key, ("waiting", "held"), timeout=15)
-        step.ids += [sync.delay(42).id for _ in range(19)]
-        self.wait_settled(step, "   20 calls settle ...", timeout=15)
+        step.ids += [task.delay(arg).id for _ in range(total - 1)]
+        self.wait_settled(step, f"   {total} calls settle ...", timeout=15)
 
         runner = [run.task_id for run in step.runs]
         metas = [self.app.AsyncResult(i).info for i in step.ids[1:]]
         holders = {meta.get("holder") if isinstance(meta, dict) else None for meta in metas}
         self.check(
             runner == [first.id] and step.states[first.id] == "SUCCESS",
-            "sync_invoices(42): exactly 1 of 20 ran",
+            f"{name}: exactly 1 of {total} ran",
             f"{len(runner)} runs, first call {step.states[first.id]}",
         )
         self.check(
-            step.count(SKIPPED) == 19 and holders == {first.id},
-            "sync_invoices(42): the other 19 were SKIPPED, naming the running call as holder",
+            step.count(SKIPPED) == total - 1 and holders == {first.id},
+            f"{name}: the other {total - 1} were SKIPPED, naming the running call as holder",
             f"{step.count(SKIPPED)} skipped, holders {sorted(map(str, holders))}",
         )
         return step
 
-    def requeue_storm(self) -> Step:
-        rebuild = self.tasks.rebuild_report
-        print("\n2. requeue: 5 x rebuild_report(7) sent at once")
-        step = Step("rebuild_report(7)", "requeue", [], server_time(self.client))
-        step.ids += [rebuild.delay(7).id for _ in range(5)]
-        self.wait_settled(step, "   5 calls run in turn ...", timeout=20)
+    def requeue_storm(self, task: Any, arg: int, total: int, locked_by: str) -> Step:
+        """Send ``total`` calls at once; all must run, one at a time, fences rising."""
+        name = f"{task.name.rsplit('.', 1)[-1]}({arg})"
+        step = Step(name, "requeue", locked_by, [], server_time(self.client))
+        step.ids += [task.delay(arg).id for _ in range(total)]
+        self.wait_settled(step, f"   {total} calls run in turn ...", timeout=20)
 
         runs = step.runs
         fences = [run.fence for run in runs]
@@ -279,27 +290,40 @@ class Demo:
             f"{a.task_id[:8]}/{b.task_id[:8]}" for a, b in zip(runs, runs[1:]) if b.start < a.end
         ]
         self.check(
-            step.count("SUCCESS") == 5 and sorted(r.task_id for r in runs) == sorted(step.ids),
-            "rebuild_report(7): all 5 ran, each once",
+            step.count("SUCCESS") == total and sorted(r.task_id for r in runs) == sorted(step.ids),
+            f"{name}: all {total} ran, each once",
             f"{len(runs)} runs, {step.count('SUCCESS')} succeeded",
         )
         self.check(
             not overlaps and all(run.holders == 1 for run in runs),
-            "rebuild_report(7): one at a time, no overlap",
+            f"{name}: one at a time, no overlap",
             f"overlapping: {', '.join(overlaps) or 'by the running counter'}",
         )
         self.check(
             all(a < b for a, b in zip(fences, fences[1:])),
-            "rebuild_report(7): fences increase in run order",
+            f"{name}: fences increase in run order",
             str(fences),
         )
         return step
+
+    def queues_locked(self, config_queue: str, cli_queue: str) -> None:
+        """Check the worker's start-up line: it locks both queues, from both sources."""
+        line = next(
+            (x for x in self.worker.log_tail(400).splitlines() if "locking tasks from" in x), ""
+        )
+        self.check(
+            config_queue in line and cli_queue in line,
+            f"the worker locks {config_queue} (redlock_queues) and {cli_queue} (--redlock-queues)",
+            repr(line.strip()) if line else "no 'locking tasks from' line in its log",
+        )
 
     def fencing(self) -> Step:
         charge = self.tasks.charge_card
         say = self.fencing_lines.append
         print("\n3. fencing: charge_card(99, ...) and a lock holder that stalls past its TTL")
-        step = Step("charge_card(99, ...)", "requeue", [], server_time(self.client))
+        step = Step(
+            "charge_card(99, ...)", "requeue", "SingletonTask", [], server_time(self.client)
+        )
         first = charge.delay(99, 25)
         step.ids.append(first.id)
         self.wait_settled(step, "   charge_card(99, 25) ...", timeout=15)
@@ -352,11 +376,28 @@ class Demo:
         self.check(total == 65, "charge_card(99): balance is 65, not 105", str(total))
         return step
 
+    def scenarios(self, exports_queue: str, reminders_queue: str) -> list[Step]:
+        """Play every scenario in order; return their steps for the summary."""
+        tasks = self.tasks
+        print("\n1. skip: 20 x sync_invoices(42), 19 of them sent while the first one runs")
+        steps = [self.skip_storm(tasks.sync_invoices, 42, 20, "SingletonTask")]
+        print("\n2. requeue: 5 x rebuild_report(7) sent at once")
+        steps.append(self.requeue_storm(tasks.rebuild_report, 7, 5, "SingletonTask"))
+        steps.append(self.fencing())
+        print(f"\n4. per-queue, by configuration: 5 x export_statement(7) on {exports_queue}")
+        print("   (a plain task; redlock_queues locks its queue with on_conflict=requeue)")
+        self.queues_locked(exports_queue, reminders_queue)
+        steps.append(self.requeue_storm(tasks.export_statement, 7, 5, "redlock_queues"))
+        print(f"\n5. per-queue, by worker option: 10 x send_reminder(42) on {reminders_queue}")
+        print("   (a plain task; the worker's --redlock-queues locks its queue, skip)")
+        steps.append(self.skip_storm(tasks.send_reminder, 42, 10, "--redlock-queues"))
+        return steps
+
     # -- report ----------------------------------------------------------------------
 
     def report(self, steps: Sequence[Step]) -> None:
         print("\nSummary")
-        rows = [
+        rows: list[tuple[Any, ...]] = [
             (
                 step.label,
                 step.policy,
@@ -365,11 +406,24 @@ class Demo:
                 step.count(SKIPPED),
                 step.requeues,
                 f"{step.seconds:.1f} s",
+                step.locked_by,
             )
             for step in steps
         ]
-        header = ("task", "on conflict", "sent", "ran", "skipped", "requeues", "took")
-        for line in table(header, rows, "<<>>>>>"):
+        rows.append(
+            (
+                "all",
+                "",
+                sum(len(step.ids) for step in steps),
+                sum(len(step.runs) for step in steps),
+                sum(step.count(SKIPPED) for step in steps),
+                sum(step.requeues for step in steps),
+                f"{sum(step.seconds for step in steps):.1f} s",
+                "",
+            )
+        )
+        header = ("task", "on conflict", "sent", "ran", "skipped", "requeues", "took", "locked by")
+        for line in table(header, rows, "<<>>>>><"):
             print(f"  {line}")
 
         print("\nRuns (seconds from the step's first call, by the Redis clock)")
@@ -408,7 +462,7 @@ def run(server: LocalRedis, started: float) -> str | None:
     os.environ["DEMO_REDIS_URL"] = url
     os.environ["DEMO_KEY_PREFIX"] = prefix
     from . import tasks
-    from .celery_app import QUEUE, ready_key
+    from .celery_app import EXPORTS_QUEUE, QUEUE, REMINDERS_QUEUE, WORKER_ARGS, ready_key
 
     print(f"Redis    {redacted(url)}")
     print(f"         {server.origin}; this run's keys: {prefix}:*")
@@ -416,7 +470,7 @@ def run(server: LocalRedis, started: float) -> str | None:
     log_dir = Path(tempfile.mkdtemp(prefix="invoice-demo-"))
     worker = Worker(
         {"DEMO_REDIS_URL": url, "DEMO_KEY_PREFIX": prefix},
-        queue=QUEUE,
+        args=WORKER_ARGS,
         log_path=log_dir / "worker.log",
     )
     demo = Demo(client, prefix, tasks, worker, deadline=started + TIME_BUDGET)
@@ -424,12 +478,14 @@ def run(server: LocalRedis, started: float) -> str | None:
     try:
         worker.start()
         demo.wait_for_key(
-            f"Worker   prefork x{worker.concurrency}, queue {QUEUE}, pid {worker.pid} ...",
+            f"Worker   prefork x{worker.concurrency}, pid {worker.pid} ...",
             ready_key(),
             ("starting", "ready"),
             timeout=30,
         )
-        steps = [demo.skip_storm(), demo.requeue_storm(), demo.fencing()]
+        print(f"         queues {QUEUE}, {EXPORTS_QUEUE}, {REMINDERS_QUEUE}")
+        print(f"         {' '.join(WORKER_ARGS[2:])}")
+        steps = demo.scenarios(EXPORTS_QUEUE, REMINDERS_QUEUE)
         demo.report(steps)
     except DemoFailure as exc:
         failure = str(exc)

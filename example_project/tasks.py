@@ -7,6 +7,15 @@
 - ``charge_card``: one charge per account at a time, none dropped (requeue),
   and the ledger write carries the lock's fence so a stale holder is refused.
 
+Two plain tasks (no ``SingletonTask``) are locked by the queue they come from:
+
+- ``export_statement`` is routed to the exports queue, which the app's
+  ``redlock_queues`` setting locks with requeue: every export is written, one
+  at a time.
+- ``send_reminder`` is routed to the reminders queue, which the worker locks
+  with ``--redlock-queues``: a reminder requested while one is being sent is
+  skipped (one e-mail, not ten).
+
 Every run is recorded in Redis (see :mod:`example_project.journal`) for the driver.
 """
 
@@ -28,6 +37,8 @@ from .celery_app import PREFIX, app, demo_redis
 SYNC_SECONDS = 1.0
 REBUILD_SECONDS = 0.3
 GATEWAY_SECONDS = 0.1
+EXPORT_SECONDS = 0.2
+REMINDER_SECONDS = 0.8
 
 
 @contextmanager
@@ -94,6 +105,22 @@ def charge_card(self: Task, account_id: int, amount: int) -> dict[str, Any]:
         )
         outcome.update(accepted=result.accepted, balance=result.balance)
     return {"accepted": result.accepted, "fence": lease.fence, "balance": result.balance}
+
+
+@app.task(bind=True)
+def export_statement(self: Task, account_id: int) -> str:
+    """Write the account's statement file; locked by the exports queue's configuration."""
+    with _recorded(self, account_id):
+        time.sleep(EXPORT_SECONDS)
+    return f"statement-{account_id}.csv"
+
+
+@app.task(bind=True)
+def send_reminder(self: Task, account_id: int) -> bool:
+    """E-mail a payment reminder; locked by the worker's ``--redlock-queues``."""
+    with _recorded(self, account_id):
+        time.sleep(REMINDER_SECONDS)  # the mail provider
+    return True
 
 
 @lock_contended.connect

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,16 +21,21 @@ class Worker:
 
     Args:
         env: Variables added to the driver's environment (``DEMO_REDIS_URL``, ...).
-        queue: The queue to consume.
+        args: Further worker arguments: the queues (``-Q``) and ``--redlock-queues``.
         log_path: Where its output goes.
         concurrency: Pool processes.
     """
 
     def __init__(
-        self, env: Mapping[str, str], *, queue: str, log_path: Path, concurrency: int = 4
+        self,
+        env: Mapping[str, str],
+        *,
+        args: Sequence[str],
+        log_path: Path,
+        concurrency: int = 4,
     ) -> None:
         self.env = dict(env)
-        self.queue = queue
+        self.args = list(args)
         self.log_path = log_path
         self.concurrency = concurrency
         self._proc: subprocess.Popen[bytes] | None = None
@@ -40,7 +45,7 @@ class Worker:
         """The worker's command line."""
         return [
             sys.executable, "-m", "celery", "-A", "example_project.celery_app", "worker",
-            "-P", "prefork", "-c", str(self.concurrency), "-Q", self.queue,
+            "-P", "prefork", "-c", str(self.concurrency), *self.args,
             "-n", f"invoice-demo-{os.getpid()}@%h",
             "--without-mingle", "--without-gossip", "--without-heartbeat", "-l", "INFO",
         ]  # fmt: skip

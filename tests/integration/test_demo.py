@@ -21,7 +21,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(120)
 def test_demo_runs_end_to_end_and_cleans_up(redis_server):
-    """The demo passes every check within 60 s, on the given server, and leaves no keys."""
+    """The demo passes every check within 60 s, on the given server, and leaves no keys.
+
+    Its summary shows each scenario's numbers: skips, requeues, per-queue locking
+    by configuration and by worker option, and the refused stale write.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEMO_")}
     env["REDIS_URL"] = redis_server.url
     began = time.monotonic()
@@ -39,13 +43,25 @@ def test_demo_runs_end_to_end_and_cleans_up(redis_server):
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
 
     assert f"redis://127.0.0.1:{redis_server.port}/12" in out
-    assert re.search(r"^  sync_invoices\(42\)\s+skip\s+20\s+1\s+19\s+0\s", out, re.M), out
-    assert re.search(r"^  rebuild_report\(7\)\s+requeue\s+5\s+5\s+0\s+\d+\s", out, re.M), out
-    assert re.search(r"^  charge_card\(99, \.\.\.\)\s+requeue\s+2\s+2\s+0\s", out, re.M), out
+    # Summary rows: task, on conflict, sent, ran, skipped, requeues, took, locked by.
+    secs = r"\d+\.\d s"
+    rows = {
+        r"sync_invoices\(42\)": rf"skip\s+20\s+1\s+19\s+0\s+{secs}\s+SingletonTask",
+        r"rebuild_report\(7\)": rf"requeue\s+5\s+5\s+0\s+\d+\s+{secs}\s+SingletonTask",
+        r"charge_card\(99, \.\.\.\)": rf"requeue\s+2\s+2\s+0\s+\d+\s+{secs}\s+SingletonTask",
+        r"export_statement\(7\)": rf"requeue\s+5\s+5\s+0\s+[1-9]\d*\s+{secs}\s+redlock_queues",
+        r"send_reminder\(42\)": rf"skip\s+10\s+1\s+9\s+0\s+{secs}\s+--redlock-queues",
+        r"all": rf"42\s+14\s+28\s+\d+\s+{secs}",
+    }
+    for task, rest in rows.items():
+        assert re.search(rf"^  {task}\s+{rest}$", out, re.M), f"no summary row {task}\n{out}"
     assert re.search(r"^  stale holder wakes\s+fence \d+\s+accepted=False", out, re.M), out
     assert "ledger balance of account 99: 65" in out
+    assert "--redlock-queues=invoice-demo-reminders" in out
     checks = re.findall(r"^  (ok  |FAIL)  ", out, re.M)
-    assert checks == ["ok  "] * 8, out
+    assert checks == ["ok  "] * 14, out
+    locks = r"^  ok    the worker locks invoice-demo-exports \(redlock_queues\) and"
+    assert re.search(locks, out, re.M), out
     assert re.search(r"^PASS\s+in [\d.]+ s$", out, re.M), out
     assert took < 60, f"the demo took {took:.1f} s\n{out}"
 

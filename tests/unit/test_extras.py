@@ -1,0 +1,27 @@
+"""The packaging extras that the set-up scripts rely on stay consistent."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+SETUP_CFG = Path(__file__).resolve().parents[2] / "setup.cfg"
+
+
+def extra(name: str) -> set[str]:
+    parser = configparser.ConfigParser()
+    parser.read(SETUP_CFG)
+    value = parser["options.extras_require"][name]
+    return {line.strip() for line in value.splitlines() if line.strip()}
+
+
+def test_test_extra_covers_the_demo_extra():
+    """scripts/demo accepts a venv that scripts/test installed, so test holds all of demo."""
+    assert extra("demo"), "the demo extra is empty"
+    assert extra("demo") <= extra("test")
+
+
+def test_test_extra_builds_the_docs():
+    """The docs build runs in the test suite, so test holds the docs extra (on Python >= 3.10)."""
+    marker = '; python_version >= "3.10"'
+    assert {f"{requirement}{marker}" for requirement in extra("docs")} <= extra("test")
