@@ -266,8 +266,10 @@ def _undo(
             if RESERVE(guard.client, (rkey,), (lease.token, ttl_ms, value)) == 1:
                 lease.validate_until(sent_at, lease.ttl)
             _take_back(lease, saved)
+            logger.info("%s: publish failed; the running attempt keeps %s", label, rkey)
         else:
             RELEASE(guard.client, (rkey,), (value,))
+            logger.info("%s: publish failed; released its reservation %s", label, rkey)
     except RedisError as exc:
         logger.warning(
             "%s: publish failed and its reservation %s could not be released (%r); "
@@ -276,8 +278,6 @@ def _undo(
             rkey,
             exc,
         )
-    else:
-        logger.info("%s: publish failed; released its reservation %s", label, rkey)
 
 
 # -- worker side ---------------------------------------------------------------------

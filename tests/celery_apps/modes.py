@@ -166,6 +166,19 @@ def register(app: Celery) -> None:
         base=SingletonTask,
         bind=True,
         shared=False,
+        name="modes.unpublishable_retry",
+        lock_mode="until_executed",
+        lock_key=["x"],
+    )
+    def unpublishable_retry(self: Task, x: Any, extra: Any = None) -> Any:
+        """Retry with an argument JSON cannot encode: the retry's publish fails."""
+        _announce(self)
+        raise self.retry(kwargs={"x": x, "extra": object()}, countdown=0.1)
+
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
         name="modes.eta",
         lock_mode="until_executed",
         lock_enqueue_ttl=1,

@@ -176,6 +176,23 @@ def test_retries_keep_the_lock_until_the_final_attempt(
 
 
 @pytest.mark.timeout(60)
+def test_a_retry_that_cannot_be_published_gives_the_lock_back(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """until_executed: a failed retry publish hands the lock back to the run, which releases it."""
+    worker = worker_factory("solo")
+    task = storm_app.tasks["modes.unpublishable_retry"]
+    result = task.delay(8)
+    wait_until(lambda: result.state == "FAILURE", timeout=15, message="the rejected retry")
+    assert len(starts(db9, prefix, result.id)) == 1
+    assert not db9.exists(task.lock_key_for(8))
+    log = worker.log()
+    assert f"[{result.id}]: publish failed; the running attempt keeps" in log
+    # Neither the watchdog nor the release found the lock in someone else's hands.
+    assert " lost" not in log and "ERROR/" not in log
+
+
+@pytest.mark.timeout(60)
 def test_eta_task_keeps_its_enqueue_lock_until_it_runs(
     storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
 ) -> None:
