@@ -113,6 +113,20 @@ def test_duplicates_while_queued_and_while_running(
     assert not db9.exists(modes.lapsed_key(prefix))
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("on_duplicate", modes.DUPLICATE_POLICIES)
+def test_while_executing_publishes_every_call(
+    on_duplicate: str, storm_app: Celery, db9: redis.Redis, prefix: str, queue: str
+) -> None:
+    """The default window leaves the queue alone: every call is published, nothing reserved."""
+    task = storm_app.tasks[modes.task_name("while_executing", on_duplicate)]
+    ids = {task.delay(1).id for _ in range(3)}
+    assert len(ids) == 3
+    assert queued_messages(db9, prefix, queue) == 3
+    key = task.lock_key_for(1)
+    assert not db9.exists(key) and not db9.exists(f"{key}:queued")
+
+
 @pytest.mark.timeout(60)
 def test_hundred_delays_one_execution(
     storm_app: Celery,
