@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 import redis
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.states import READY_STATES
 from redis.exceptions import RedisError
 
@@ -253,8 +253,33 @@ class TaskGuard:
         headers[REQUEUES_HEADER] = attempt
         if own:
             headers[SELF_HEADER] = 1
-        task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+        try:
+            task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+        except Exception as exc:
+            self._requeue_failed(key, exc)
         raise Ignore()
+
+    def _requeue_failed(self, key: str, exc: Exception) -> NoReturn:
+        """End a run whose requeue could not be published, without losing the call.
+
+        Raises:
+            celery.exceptions.Reject: Under ``acks_late``: the broker puts the
+                message back, as it would for a worker lost mid-task.
+            LockError: Otherwise (the message is already acknowledged): the task
+                fails with this reason instead of the publisher's error.
+        """
+        task, request = self.task, self.task.request
+        logger.warning(
+            "task %s[%s]: could not requeue for %s (%r); %s",
+            task.name,
+            request.id,
+            key,
+            exc,
+            "the broker redelivers it" if task.acks_late else "it fails",
+        )
+        if task.acks_late:
+            raise Reject(exc, requeue=True) from exc
+        raise LockError(f"could not requeue for lock {key}: {exc!r}", lock_name=key) from exc
 
     def _record_skip(self, key: str, holder: Holder | None) -> None:
         task, request = self.task, self.task.request

@@ -18,6 +18,8 @@ one module serves every test without sharing state between them:
     ``"1"`` sets ``task_acks_late``.
 ``REDLOCK_TEST_QUEUES``
     JSON of ``redlock_queues``, when set.
+``REDLOCK_TEST_BROKER_WRITE``
+    ``broker_write_url``, when set: where the worker publishes (requeues) to.
 
 ``celery -A tests.celery_apps.storm`` builds the app from ``os.environ`` on
 first access of ``app``; tests build their own with :func:`create_app`.
@@ -101,6 +103,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
     )
     if env.get("REDLOCK_TEST_QUEUES"):
         app.conf.redlock_queues = json.loads(env["REDLOCK_TEST_QUEUES"])
+    if env.get("REDLOCK_TEST_BROKER_WRITE"):
+        app.conf.broker_write_url = env["REDLOCK_TEST_BROKER_WRITE"]
     _register_tasks(app)
     _register_lifecycle_tasks(app)
     _register_plain_tasks(app)

@@ -1,0 +1,148 @@
+"""The app of the chaos suite: singleton tasks that record every execution and fenced write.
+
+Configured from the environment, like :mod:`tests.celery_apps.storm`:
+
+``REDLOCK_TEST_BROKER``
+    Broker URL (a private redis-server the suite may drop and restart).
+``REDLOCK_TEST_BACKEND``
+    Result backend URL; also where histories and the fenced store live.
+``REDLOCK_TEST_LOCK_URL``
+    Lock store (a private redis-server the suite restarts, freezes and flushes).
+``REDLOCK_TEST_PREFIX``
+    Key prefix of the locks and of the broker's and backend's keys.
+``REDLOCK_TEST_QUEUE``
+    ``task_default_queue``.
+
+Each call names the scenario run it belongs to (``run``), so one set of
+workers serves every scenario and each run's history stays apart.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+from celery_redlock import SingletonTask, current_lock
+from tests.celery_apps.storm import WakeUp
+from tests.chaos.history import FencedStore, hold, watched_execution
+
+__all__ = ["LOCK_TTL", "create_app", "environment"]
+
+#: TTL of the chaos tasks' locks: short, so faults beyond it fit in a lean suite.
+LOCK_TTL = 1.0
+
+_clients: dict[str, redis.Redis] = {}
+
+# Both tasks take one lock per (run, resource) and wait for it: a duplicate is
+# requeued, quickly, as often as needed, so every call ends up running.
+_LOCK_OPTIONS: dict[str, Any] = {
+    "base": SingletonTask,
+    "bind": True,
+    # shared=False: a shared task would be added to every app created later.
+    "shared": False,
+    "lock_ttl": LOCK_TTL,
+    "lock_key": ["run", "resource"],
+    "lock_on_conflict": "requeue",
+    "lock_requeue_delay": 0.05,
+    "lock_requeue_max_delay": 0.3,
+    "lock_max_requeues": 100000,
+}
+
+
+def environment(
+    *, broker: str, backend: str, lock_url: str, prefix: str, queue: str
+) -> dict[str, str]:
+    """The environment variables that configure the app."""
+    return {
+        "REDLOCK_TEST_BROKER": broker,
+        "REDLOCK_TEST_BACKEND": backend,
+        "REDLOCK_TEST_LOCK_URL": lock_url,
+        "REDLOCK_TEST_PREFIX": prefix,
+        "REDLOCK_TEST_QUEUE": queue,
+    }
+
+
+def create_app(env: Mapping[str, str]) -> Celery:
+    """Build the app and its tasks from ``env`` (see the module docstring)."""
+    prefix = env["REDLOCK_TEST_PREFIX"]
+    backend = env["REDLOCK_TEST_BACKEND"]
+    app = Celery(f"chaos-{prefix}", set_as_current=False)
+    keyprefix = {"global_keyprefix": f"{prefix}:"}
+    app.conf.update(
+        broker_url=env["REDLOCK_TEST_BROKER"],
+        result_backend=backend,
+        redlock_url=env["REDLOCK_TEST_LOCK_URL"],
+        redlock_key_prefix=prefix,
+        task_default_queue=env["REDLOCK_TEST_QUEUE"],
+        control_exchange=f"{prefix}.ctl",
+        broker_transport_options={
+            # Unacknowledged messages of a dropped connection come back after
+            # this long, not after kombu's default hour; longer than any task here.
+            "visibility_timeout": 20,
+            # A command on a frozen broker fails (and the worker reconnects)
+            # instead of blocking the worker's event loop for good.
+            "socket_timeout": 2,
+            "socket_connect_timeout": 2,
+        },
+        result_backend_transport_options=keyprefix,
+        broker_connection_retry_on_startup=True,
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_expires=3600,
+        worker_lost_wait=1.0,
+    )
+    _register_tasks(app)
+    app.steps["consumer"].add(WakeUp)
+    return app
+
+
+def _history(task: Task) -> redis.Redis:
+    url = task.app.conf.result_backend
+    client = _clients.get(url)
+    if client is None:
+        client = _clients[url] = redis.Redis.from_url(url)
+    return client
+
+
+def _work(task: Task, run: str, seconds: float) -> str:
+    lease = current_lock()
+    if lease is None:
+        raise RuntimeError(f"{task.name} runs without its lock")
+    client = _history(task)
+    with watched_execution(client, run, task.request.id, lease) as recorder:
+        hold(recorder, FencedStore(client, run), seconds)
+    return f"{task.request.id}:{lease.fence}"
+
+
+def _register_tasks(app: Celery) -> None:
+    @app.task(
+        name="chaos.work",
+        acks_late=True,
+        reject_on_worker_lost=True,
+        **_LOCK_OPTIONS,
+    )
+    def work(self: Task, run: str, resource: str, seconds: float) -> str:
+        """Hold ``resource`` for ``seconds``, writing to the fenced store; acks late."""
+        return _work(self, run, seconds)
+
+    @app.task(name="chaos.work_early", acks_late=False, **_LOCK_OPTIONS)
+    def work_early(self: Task, run: str, resource: str, seconds: float) -> str:
+        """As ``work``, but acked when it starts: a killed run is gone for good."""
+        return _work(self, run, seconds)
+
+
+def __getattr__(name: str) -> Any:
+    # ``celery -A`` looks up ``app``; build it from the worker's environment then.
+    if name == "app":
+        app = create_app(os.environ)
+        globals()["app"] = app
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
