@@ -177,12 +177,12 @@ def apply_async(
     value = Holder.new(task_id).encode()
     ttl_ms = max(1, int((publish_delay(options) + opts.enqueue_ttl) * 1000))
     label = f"task {task.name}[{task_id}]"
-    saved = _hand_over(lease) if handing and lease is not None else None
+    lent = _Loan(lease) if handing and lease is not None else None
     try:
         reply = RESERVE(guard.client, (rkey,), (value, ttl_ms, replace))
     except RedisError as exc:
-        if lease is not None and saved is not None:
-            _take_back(lease, saved)
+        if lent is not None:
+            lent.give_back()
         if own or opts.on_redis_error == "run":
             logger.warning(
                 "%s: lock store unreachable for %s (%r); publishing WITHOUT an enqueue lock",
@@ -196,8 +196,8 @@ def apply_async(
             lock_name=rkey,
         ) from exc
     if reply != 1:
-        if lease is not None and saved is not None:
-            _take_back(lease, saved)
+        if lent is not None:
+            lent.give_back()
         pttl_ms, held = reply
         holder = Holder.parse(held)
         holder_id = holder.task_id if holder else None
@@ -207,8 +207,8 @@ def apply_async(
             logger.debug("%s: %s is held by %s; republishing as is", label, rkey, holder_id)
             return publish(args, kwargs, task_id, _with_reservation(options, None))
         holder_ttl = pttl_ms / 1000 if pttl_ms >= 0 else None
-        if holder_id is None or opts.on_duplicate == "raise" or is_canvas(options):
-            canvas = is_canvas(options)
+        canvas = is_canvas(options)
+        if holder_id is None or opts.on_duplicate == "raise" or canvas:
             why = " (a canvas call is never folded into another copy)" if canvas else ""
             raise DuplicateTask(
                 f"task {task.name} not published: task {holder_id or 'unknown'} holds "
@@ -222,54 +222,53 @@ def apply_async(
     try:
         return publish(args, kwargs, task_id, _with_reservation(options, value))
     except BaseException:
-        _undo(guard, rkey, value, lease if saved is not None else None, saved, label)
+        _undo(guard, rkey, value, lent, label)
         raise
 
 
-def _hand_over(lease: Lease) -> Callable[..., Any] | None:
-    # Stop renewing first: a renewal racing with RESERVE would find the new
-    # value and report the lock lost.
-    saved = lease.on_lost
-    lease.released = True
-    lease.on_lost = None
-    _handed_over.add(lease)
-    return saved or _no_callback
+class _Loan:
+    """The lock of a running until_executed attempt, lent to the reservation of its retry.
+
+    While lent, the attempt neither renews nor releases it: the key holds the
+    retry's reservation. Renewal stops before the key changes, or a renewal
+    racing with ``RESERVE`` would find the new value and report the lock lost.
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.on_lost = lease.on_lost
+        lease.released = True
+        lease.on_lost = None
+        _handed_over.add(lease)
+
+    def give_back(self) -> None:
+        """Let the attempt renew and release the lock again."""
+        from .renewal import default_watchdog
+
+        lease = self.lease
+        _handed_over.discard(lease)
+        lease.on_lost = self.on_lost
+        lease.released = False
+        if lease.ttl is not None:
+            default_watchdog().watch(lease)
 
 
-def _no_callback(lease: Lease) -> None:
-    pass
-
-
-def _take_back(lease: Lease, saved: Callable[..., Any]) -> None:
-    from .renewal import default_watchdog
-
-    _handed_over.discard(lease)
-    lease.on_lost = None if saved is _no_callback else saved
-    lease.released = False
-    if lease.ttl is not None:
-        default_watchdog().watch(lease)
-
-
-def _undo(
-    guard: TaskGuard,
-    rkey: str,
-    value: str,
-    lease: Lease | None,
-    saved: Callable[..., Any] | None,
-    label: str,
-) -> None:
-    """After a failed publish: release the reservation, or give a handed-back lock to its run."""
+def _undo(guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: str) -> None:
+    """After a failed publish: release the reservation, or give a lent lock back to its attempt."""
     try:
-        if lease is not None and saved is not None and lease.ttl is not None:
-            sent_at = time.monotonic()
-            ttl_ms = int(lease.ttl * 1000)
-            if RESERVE(guard.client, (rkey,), (lease.token, ttl_ms, value)) == 1:
-                lease.validate_until(sent_at, lease.ttl)
-            _take_back(lease, saved)
-            logger.info("%s: publish failed; the running attempt keeps %s", label, rkey)
-        else:
+        if lent is None:
             RELEASE(guard.client, (rkey,), (value,))
             logger.info("%s: publish failed; released its reservation %s", label, rkey)
+            return
+        lease, ttl = lent.lease, lent.lease.ttl or 0.0
+        try:
+            sent_at = time.monotonic()
+            if RESERVE(guard.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
+                lease.validate_until(sent_at, ttl)
+        finally:
+            # Even if Redis failed too: the attempt then finds its lock gone and says so.
+            lent.give_back()
+        logger.info("%s: publish failed; the running attempt keeps %s", label, rkey)
     except RedisError as exc:
         logger.warning(
             "%s: publish failed and its reservation %s could not be released (%r); "
