@@ -2,11 +2,13 @@
 
 The lock core (:class:`Lock`, :class:`Redlock`, :class:`Lease`, :class:`Watchdog`) does not use
 Celery and serves any Python program; :class:`SingletonTask` and
-:func:`current_lock` are the Celery integration.
+:func:`current_lock` are the Celery integration. :func:`singleton` locks any function,
+``celery_redlock.rq`` RQ jobs, and ``celery_redlock.asyncio`` has the lock for asyncio.
 """
 
 from __future__ import annotations
 
+from .decorator import singleton
 from .exceptions import (
     ConfigurationError,
     DuplicateTask,
@@ -45,6 +47,7 @@ __all__ = [
     "default_watchdog",
     "fence_key_for",
     "install",
+    "singleton",
 ]
 
 __version__ = "0.1.0.dev0"

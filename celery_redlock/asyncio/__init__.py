@@ -1,0 +1,12 @@
+"""celery-redlock for asyncio: :class:`Lock` and :class:`Redlock` for ``redis.asyncio`` clients.
+
+Import it as ``celery_redlock.asyncio``; it never shadows the standard library's
+``asyncio`` because every module of the package imports absolutely.
+"""
+
+from __future__ import annotations
+
+from .lock import Lock
+from .redlock import Redlock
+
+__all__ = ["Lock", "Redlock"]

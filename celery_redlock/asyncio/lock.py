@@ -1,0 +1,520 @@
+"""A token lock on one Redis server for ``redis.asyncio``, with fencing and auto-renewal.
+
+Semantics follow :class:`celery_redlock.Lock` (same scripts, same :class:`Lease`),
+with three differences that asyncio needs:
+
+* State is per task, not per thread. All tasks of an event loop share one
+  thread, so ``threading.local`` would let one task release another's hold.
+  Each method looks its task up when it is *called*, not when it is first
+  awaited, so ``asyncio.wait_for(lock.acquire(), ...)`` (which runs the
+  coroutine in a task of its own before Python 3.12) still records the hold for
+  the caller.
+* Renewal is an asyncio task per lease (:mod:`.renewal`), not the watchdog thread.
+* Cancellation never cuts a round trip in half. A cancelled ``acquire`` waits
+  for its ``SET NX`` to answer and releases what it took before raising
+  ``CancelledError``; a cancelled ``release`` finishes deleting the key first.
+
+Round trips: acquire 1, release 1, extend 1, reacquire 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import weakref
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Literal, TypeVar, Union
+
+from redis.exceptions import RedisError
+
+from celery_redlock.exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.lock import (
+    DEFAULT_DRIFT_FACTOR,
+    DEFAULT_FENCE_RETENTION,
+    Clock,
+    Lease,
+    LostCallback,
+    fence_key_for,
+)
+from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
+
+from .renewal import Renewer, keep_alive, renew_on
+from .scripts import run_script
+from .shielding import detach, settle
+
+__all__ = ["Lock"]
+
+logger = logging.getLogger(__name__)
+
+Number = Union[int, float]
+_LockT = TypeVar("_LockT", bound="Lock")
+
+
+def _seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, value, "must be a number of seconds")
+    if value <= 0 or int(value * 1000) < 1:
+        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
+    return float(value)
+
+
+class _TaskState:
+    """What one task knows about its hold of one lock."""
+
+    __slots__ = ("holder", "lease", "renewal", "token")
+
+    def __init__(self) -> None:
+        self.token: bytes | None = None
+        self.lease: Lease | None = None
+        self.holder: tuple[str | None, float | None] | None = None
+        self.renewal: asyncio.Task[None] | None = None
+
+
+class Lock:
+    """A distributed lock on one Redis server for ``redis.asyncio`` clients.
+
+    Compatible with ``redis.asyncio.lock.Lock`` (``client.lock(name,
+    lock_class=celery_redlock.asyncio.Lock)`` works) where both define behaviour.
+
+    Args:
+        redis: A ``redis.asyncio.Redis`` client (``decode_responses`` either way).
+        name: The Redis key of the lock.
+        timeout: Time to live in seconds; ``None`` keeps the lock until released.
+        sleep: Seconds between attempts while blocking.
+        blocking: Whether ``acquire()`` waits for the lock by default.
+        blocking_timeout: Longest wait in seconds; ``None`` waits forever.
+        thread_local: Keep the token per asyncio task (the name is redis-py's);
+            ``False`` shares one hold between all tasks using this object.
+        raise_on_release_error: Whether leaving the ``async with`` block raises
+            when the lock was lost meanwhile (otherwise it logs a warning).
+        auto_renew: Keep the lock alive from an asyncio task while held. Needs a
+            ``timeout``; renews at a third of it.
+        on_lost: Called with the :class:`Lease` when it is found lost; runs on the
+            event loop, keep it short and non-blocking.
+        fencing: Draw a fencing token on each acquisition (same round trip).
+        fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
+        fence_retention: Lifetime in seconds of a fence key once seeded.
+        drift_factor: Share of the TTL deducted from local validity for clock drift.
+        clock: Monotonic clock in seconds; injectable for tests.
+        label: Who holds the lock, for log lines.
+
+    Raises:
+        ConfigurationError: If an argument is out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        timeout: Number | None = None,
+        sleep: Number = 0.1,
+        blocking: bool = True,
+        blocking_timeout: Number | None = None,
+        thread_local: bool = True,
+        raise_on_release_error: bool = True,
+        *,
+        auto_renew: bool = False,
+        on_lost: LostCallback | None = None,
+        fencing: bool = True,
+        fence_key: str | None = None,
+        fence_retention: Number = DEFAULT_FENCE_RETENTION,
+        drift_factor: float = DEFAULT_DRIFT_FACTOR,
+        clock: Clock = time.monotonic,
+        label: str | None = None,
+    ) -> None:
+        self.timeout = _seconds("timeout", timeout, allow_none=True)
+        if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
+            raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
+        if blocking_timeout is not None and (
+            isinstance(blocking_timeout, bool)
+            or not isinstance(blocking_timeout, (int, float))
+            or blocking_timeout < 0
+        ):
+            raise ConfigurationError(
+                "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
+            )
+        if auto_renew and self.timeout is None:
+            raise ConfigurationError(
+                "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
+            )
+        if not 0 <= drift_factor < 0.5:
+            raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
+        _seconds("fence_retention", fence_retention, allow_none=False)
+        self.redis = redis
+        self.name = name
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.fencing = fencing
+        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        self._fence_retention_ms = int(fence_retention * 1000)
+        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
+        self.drift_factor = drift_factor
+        self._clock = clock
+        self.label = label
+        self._shared = None if self.thread_local else _TaskState()
+        # Per-task states die with their tasks.
+        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], _TaskState] = (
+            weakref.WeakKeyDictionary()
+        )
+        # Calls made outside any task (from a loop callback) share one state.
+        self._untasked = _TaskState()
+
+    # -- per-task state ------------------------------------------------------------
+
+    def _state(self) -> _TaskState:
+        """Return the state of the running task (the caller must be on a running loop)."""
+        if self._shared is not None:
+            return self._shared
+        task = asyncio.current_task()
+        if task is None:
+            return self._untasked
+        state = self._states.get(task)
+        if state is None:
+            state = self._states[task] = _TaskState()
+        return state
+
+    def _bound(self) -> _TaskState | None:
+        """The caller's state if a loop runs now; ``None`` defers the lookup to the first await."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        return self._state()
+
+    @property
+    def local(self) -> _TaskState:
+        """The calling task's state (``token``, ``lease``, ``holder``), as redis-py's ``local``."""
+        return self._state()
+
+    # -- redis-py compatible API ----------------------------------------------------
+
+    async def __aenter__(self: _LockT) -> _LockT:
+        if await self.acquire():
+            return self
+        holder, holder_ttl = self._state().holder or (None, None)
+        raise LockNotAcquired(
+            "Unable to acquire lock within the time specified",
+            lock_name=self.name,
+            holder=holder,
+            holder_ttl=holder_ttl,
+        )
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            await self.release()
+        except LockError:
+            if self.raise_on_release_error:
+                raise
+            logger.warning("lock %s was lost before the async with block ended", self.name)
+
+    def acquire(
+        self,
+        sleep: Number | None = None,
+        blocking: bool | None = None,
+        blocking_timeout: Number | None = None,
+        token: str | bytes | None = None,
+    ) -> Coroutine[Any, Any, bool]:
+        """Take the lock; the awaitable gives ``True`` once held, ``False`` if not.
+
+        Args:
+            sleep: Seconds between attempts (default: the lock's ``sleep``).
+            blocking: Wait for the lock (default: the lock's ``blocking``).
+            blocking_timeout: Longest wait in seconds (default: the lock's).
+            token: Value to store; default 16 random bytes from ``secrets``, hex.
+
+        Raises:
+            redis.exceptions.RedisError: If Redis cannot be reached.
+            asyncio.CancelledError: If cancelled; whatever the attempt in flight
+                took is released before this is raised.
+        """
+        return self._acquire(self._bound(), sleep, blocking, blocking_timeout, token)
+
+    async def _acquire(
+        self,
+        state: _TaskState | None,
+        sleep: Number | None,
+        blocking: bool | None,
+        blocking_timeout: Number | None,
+        token: str | bytes | None,
+    ) -> bool:
+        if state is None:
+            state = self._state()
+        if sleep is None:
+            sleep = self.sleep
+        if blocking is None:
+            blocking = self.blocking
+        if blocking_timeout is None:
+            blocking_timeout = self.blocking_timeout
+        encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
+        stop_trying_at = None
+        if blocking_timeout is not None:
+            stop_trying_at = self._clock() + blocking_timeout
+        while True:
+            if await self._attempt(state, encoded):
+                state.token = encoded
+                lease = state.lease
+                if self.auto_renew and lease is not None:
+                    state.renewal = detach(keep_alive(lease, self._renewer(), self._clock))
+                return True
+            if not blocking:
+                return False
+            delay = self._retry_delay(sleep)
+            next_try_at = self._clock() + delay
+            if stop_trying_at is not None and next_try_at > stop_trying_at:
+                return False
+            await asyncio.sleep(delay)
+
+    def _retry_delay(self, sleep: Number) -> float:
+        """Seconds to wait before the next attempt of a blocking acquire."""
+        return float(sleep)
+
+    def _encode_token(self, token: str | bytes) -> bytes:
+        encoded: bytes = self.redis.get_encoder().encode(token)
+        return encoded
+
+    async def _attempt(self, state: _TaskState, token: bytes) -> bool:
+        """Make one attempt; on success store the new lease in ``state``."""
+        sent_at = self._clock()
+        attempt = detach(self._send_acquire(token))
+        if await settle(attempt):
+            # Cancelled while the SET NX was in flight: whatever it took, give back.
+            if not attempt.cancelled() and attempt.exception() is None:
+                acquired, _ = attempt.result()
+                if acquired:
+                    await settle(detach(self._undo(token)))
+            raise asyncio.CancelledError()
+        acquired, reply = attempt.result()
+        if not acquired:
+            state.holder = reply
+            return False
+        state.holder = None
+        state.lease = Lease(
+            client=self.redis,
+            name=self.name,
+            token=token,
+            fence=reply,
+            ttl=self.timeout,
+            sent_at=sent_at,
+            clock=self._clock,
+            drift_factor=self.drift_factor,
+            on_lost=self.on_lost,
+            owner=self,
+            label=self.label,
+        )
+        return True
+
+    async def _send_acquire(self, token: bytes) -> tuple[bool, Any]:
+        """One acquire round trip: ``(True, fence)`` or ``(False, (holder, holder_ttl))``."""
+        if not self.fencing:
+            taken = await self.redis.set(self.name, token, nx=True, px=self._ttl_ms or None)
+            return (True, None) if taken else (False, None)
+        reply = await run_script(
+            ACQUIRE,
+            self.redis,
+            (self.name, self.fence_key),
+            (token, self._ttl_ms, self._fence_retention_ms),
+        )
+        if isinstance(reply, list):
+            holder_ttl_ms, holder = reply
+            return False, (
+                holder.decode("utf-8", "replace") if isinstance(holder, bytes) else holder,
+                holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
+            )
+        return True, int(reply)
+
+    def _renewer(self) -> Renewer:
+        """How the renewal task renews this lock's leases (must not hold ``self``)."""
+        return renew_on(self.redis)
+
+    async def _undo(self, token: bytes) -> None:
+        """Give back what an acquisition cancelled mid-flight may have taken."""
+        try:
+            await self._send_release(token)
+        except RedisError as exc:
+            logger.warning(
+                "lock %s taken by a cancelled acquire could not be released (%r); "
+                "it expires within %ss",
+                self.name,
+                exc,
+                self.timeout,
+            )
+
+    async def locked(self) -> bool:
+        """Return ``True`` if anyone holds the lock (one ``GET``)."""
+        return await self.redis.get(self.name) is not None
+
+    def owned(self) -> Coroutine[Any, Any, bool]:
+        """Return ``True`` if this task's token is the lock's value (one ``GET``)."""
+        return self._owned(self._bound())
+
+    async def _owned(self, state: _TaskState | None) -> bool:
+        token = (state or self._state()).token
+        if token is None:
+            return False
+        stored = await self.redis.get(self.name)
+        if isinstance(stored, str):
+            stored = self._encode_token(stored)
+        return bool(stored == token)
+
+    def release(self) -> Coroutine[Any, Any, None]:
+        """Release the lock if this task's token still holds it.
+
+        A cancellation while the delete is in flight waits for it to finish, so
+        the lock is never left held by a task that no longer knows it.
+
+        Raises:
+            LockError: If this task does not hold the lock.
+            LockNotOwned: If the lock expired or was taken over meanwhile.
+        """
+        return self._release(self._bound())
+
+    async def _release(self, state: _TaskState | None) -> None:
+        if state is None:
+            state = self._state()
+        token = state.token
+        if token is None:
+            raise LockError(
+                "Cannot release a lock that's not owned or is already unlocked.",
+                lock_name=self.name,
+            )
+        state.token = None
+        lease = state.lease
+        if lease is not None:
+            # Flag first, so a renewal racing with the delete reports no loss.
+            lease.released = True
+            lease.on_lost = None
+        if state.renewal is not None:
+            state.renewal.cancel()
+            state.renewal = None
+        deletion = detach(self._send_release(token))
+        cancelled = await settle(deletion)
+        if deletion.cancelled():  # the loop is shutting down under us
+            raise asyncio.CancelledError()
+        failure = deletion.exception()
+        owned = failure is None and bool(deletion.result())
+        if failure is None and not owned and lease is not None:
+            lease.lost = True
+            lease.loss_reason = "not owned at release"
+        if cancelled:
+            raise asyncio.CancelledError()
+        if failure is not None:
+            raise failure
+        if not owned:
+            raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
+
+    async def _send_release(self, token: bytes) -> bool:
+        """One release round trip: ``True`` if the lock held ``token`` and is deleted."""
+        return bool(await run_script(RELEASE, self.redis, (self.name,), (token,)))
+
+    def extend(
+        self, additional_time: Number, replace_ttl: bool = False
+    ) -> Coroutine[Any, Any, Literal[True]]:
+        """Add ``additional_time`` seconds to the TTL left, or set the TTL to it.
+
+        Raises:
+            LockError: If this task does not hold the lock, or it has no timeout.
+            ConfigurationError: If ``additional_time`` is not positive.
+            LockNotOwned: If the lock was lost meanwhile.
+        """
+        return self._extend(self._bound(), additional_time, replace_ttl)
+
+    async def _extend(
+        self, state: _TaskState | None, additional_time: Number, replace_ttl: bool
+    ) -> Literal[True]:
+        state = state or self._state()
+        if state.token is None:
+            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
+        _seconds("additional_time", additional_time, allow_none=False)
+        await self._renew(state, int(additional_time * 1000), replace_ttl, "extend")
+        return True
+
+    def reacquire(self) -> Coroutine[Any, Any, Literal[True]]:
+        """Reset the lock's TTL to ``timeout``.
+
+        Raises:
+            LockError: If this task does not hold the lock, or it has no timeout.
+            LockNotOwned: If the lock was lost meanwhile.
+        """
+        return self._reacquire(self._bound())
+
+    async def _reacquire(self, state: _TaskState | None) -> Literal[True]:
+        state = state or self._state()
+        if state.token is None:
+            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
+        if self.timeout is None:
+            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        await self._renew(state, self._ttl_ms, True, "reacquire")
+        return True
+
+    async def _renew(self, state: _TaskState, ms: int, replace: bool, operation: str) -> None:
+        lease, token = state.lease, state.token
+        assert lease is not None and token is not None
+        sent_at = self._clock()
+        pttl_ms = await self._send_renew(lease, ms, replace)
+        if not pttl_ms:
+            lease.mark_lost(f"not owned at {operation}")
+            raise LockNotOwned(
+                f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
+            )
+        lease.validate_until(sent_at, pttl_ms / 1000)
+
+    async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:
+        """One renew round trip: the new TTL in ms, or 0 if the lock is not ours."""
+        (pttl_ms,) = await run_script(
+            RENEW, self.redis, (self.name,), ("1" if replace else "0", lease.token, ms)
+        )
+        return int(pttl_ms)
+
+    # -- additions ------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """This task's latest lease: held, lost or released; ``None`` before any."""
+        return self._state().lease
+
+    @property
+    def token(self) -> bytes | None:
+        """This task's token while it holds the lock, else ``None``."""
+        return self._state().token
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of this task's current hold, else ``None``."""
+        state = self._state()
+        lease = state.lease
+        return lease.fence if lease is not None and state.token is not None else None
+
+    @property
+    def lost(self) -> bool:
+        """``True`` if this task's hold is known lost or has outlived its validity."""
+        lease = self._state().lease
+        if lease is None or lease.released:
+            return lease is not None and lease.lost
+        return lease.lost or lease.remaining() <= 0.0
+
+    def remaining(self) -> float:
+        """Seconds of validity left to this task's hold (``inf`` without a timeout)."""
+        state = self._state()
+        if state.lease is None or state.token is None:
+            return 0.0
+        return state.lease.remaining()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"

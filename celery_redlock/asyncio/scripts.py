@@ -1,0 +1,73 @@
+"""Running the lock's Lua scripts on a ``redis.asyncio`` client.
+
+The scripts themselves (and their KEYS/ARGV contracts) are the synchronous
+package's :mod:`celery_redlock.scripts`; only the transport differs. As there,
+the fast path is a single ``EVALSHA`` on a pooled connection; a server that does
+not know the script (after ``SCRIPT FLUSH`` or a restart) gets it once with
+``EVAL``, which runs and caches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from celery_redlock.scripts import Arg, Script
+
+__all__ = ["run_script"]
+
+
+async def _checkout(pool: Any) -> Any:
+    # redis-py >= 5.3 takes no arguments; older versions require the command name.
+    try:
+        return await pool.get_connection()
+    except TypeError:
+        return await pool.get_connection("EVALSHA")
+
+
+async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    """Run ``script`` on ``client`` (a ``redis.asyncio`` client) and return its reply.
+
+    Raises:
+        redis.exceptions.RedisError: Whatever the server or connection raises,
+            except ``NOSCRIPT``, which is handled here.
+    """
+    pool = getattr(client, "connection_pool", None)
+    # Single-connection and Cluster clients go through redis-py as they are.
+    if pool is None or getattr(client, "connection", None) is not None:
+        try:
+            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+    # Every lock operation comes here: talking to a pooled connection directly
+    # skips redis-py's per-command bookkeeping, as the synchronous Script does.
+    connection = await _checkout(pool)
+    try:
+        try:
+            return await _run(script, connection, keys, args)
+        except RedisConnectionError:
+            # A pooled connection the server closed fails on first use: try
+            # once more on a fresh one. Timeouts are not retried.
+            await connection.disconnect()
+            return await _run(script, connection, keys, args)
+    except ResponseError:
+        raise  # the server answered: the connection is in a clean state
+    except BaseException:
+        # Anything else (a timeout, a cancellation) may leave a reply unread:
+        # never hand that connection out again.
+        await connection.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(connection)
+
+
+async def _run(script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    try:
+        return await connection.read_response()
+    except NoScriptError:
+        await connection.send_command("EVAL", script.source, len(keys), *keys, *args)
+        return await connection.read_response()

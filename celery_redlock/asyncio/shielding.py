@@ -1,0 +1,52 @@
+"""Round trips that a cancellation must not cut in half.
+
+Cancelling a coroutine while it waits for a Redis reply leaves the command's
+effect unknown: the server may have run it. For the lock that is the difference
+between holding a key and not, so the acquire and release round trips run in
+tasks of their own that a cancellation of the caller does not reach. The caller
+still gets its ``CancelledError``, but only once the round trip (and whatever
+must undo it) has finished, so on return the lock's state is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["detach", "settle"]
+
+T = TypeVar("T")
+
+# The event loop keeps only weak references to tasks: a detached task that
+# nobody awaits any more must be kept alive here until it ends.
+_running: set[asyncio.Task[Any]] = set()
+
+
+def detach(coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Run ``coroutine`` as a task that survives the caller's cancellation."""
+    task = asyncio.ensure_future(coroutine)
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task
+
+
+async def settle(task: asyncio.Future[T]) -> bool:
+    """Wait until ``task`` is done, through any number of cancellations.
+
+    Returns ``True`` if the caller was cancelled meanwhile; the caller must then
+    raise ``CancelledError`` itself once it has dealt with the outcome. The
+    task's own result or exception is left on it.
+    """
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Either we were cancelled (the task goes on: keep waiting), or the
+            # task itself was (the loop is shutting down: it is done).
+            if not task.done():
+                cancelled = True
+        except Exception:
+            pass  # the outcome stays on the task, for the caller to read
+    return cancelled

@@ -1,0 +1,105 @@
+"""The RQ job lock and enqueue_once() with real ``rq worker`` processes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from rq import Queue
+from rq.job import JobStatus
+from rq.registry import FailedJobRegistry
+
+from celery_redlock import ConfigurationError
+from celery_redlock.rq import enqueue_once, singleton_job
+from tests.rq_apps import jobs
+from tests.rq_harness import rq_workers, wait_until
+
+
+@pytest.mark.timeout(90)
+def test_raise_fails_the_duplicate_naming_the_holder(redis_server, tmp_path):
+    """Under on_conflict=raise a duplicate job fails with LockNotAcquired naming the holder."""
+    client = redis_server.client()
+    queue = Queue("raise", connection=client)
+    first = queue.enqueue(jobs.held_or_fail, "x")
+    with rq_workers(redis_server.url, queue.name, tmp_path, 2):
+        wait_until(lambda: client.get(jobs.RUNS) == b"1", 30, "the first job to run")
+        second = queue.enqueue(jobs.held_or_fail, "x")
+        wait_until(lambda: second.get_status() == JobStatus.FAILED, 30, "the duplicate to fail")
+        client.set(jobs.RELEASE, 1)
+        wait_until(lambda: first.get_status() == JobStatus.FINISHED, 30, "the first job to end")
+    assert FailedJobRegistry(queue=queue).get_job_ids() == [second.id]
+    failure = second.latest_result().exc_string
+    assert "LockNotAcquired" in failure and first.id in failure
+    assert int(client.get(jobs.RUNS)) == 1
+
+
+@pytest.mark.timeout(90)
+def test_enqueue_once_returns_the_queued_or_running_job(redis_server, tmp_path):
+    """An identical call returns the queued job, then the running one; a finished one does not."""
+    client = redis_server.client()
+    queue = Queue("once", connection=client)
+    first = enqueue_once(queue, jobs.held_until_released, ("x",))
+    assert enqueue_once(queue, jobs.held_until_released, ("x",)).id == first.id
+    assert enqueue_once(queue, jobs.held_until_released, (), {"item": "x"}).id == first.id
+    other = enqueue_once(queue, jobs.held_until_released, ("y",))
+    assert other.id != first.id
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as (worker,):
+        wait_until(lambda: first.get_status() == JobStatus.STARTED, 30, "the job to start")
+        assert enqueue_once(queue, jobs.held_until_released, ("x",)).id == first.id
+        client.set(jobs.RELEASE, 1)
+        assert worker.wait(30) == 0, worker.log()
+    assert first.get_status() == JobStatus.FINISHED
+    again = enqueue_once(queue, jobs.held_until_released, ("x",))
+    assert again.id not in (first.id, other.id)
+    assert again.get_status() == JobStatus.QUEUED
+
+
+def test_concurrent_enqueue_once_makes_one_job(redis_server):
+    """20 threads enqueueing the same call at once get one job between them."""
+    client = redis_server.client()
+    queue = Queue("once-race", connection=client)
+    barrier = threading.Barrier(20)
+    ids = []
+
+    def enqueue():
+        barrier.wait(10)
+        ids.append(enqueue_once(queue, jobs.serial, ("same",)).id)
+
+    threads = [threading.Thread(target=enqueue) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(ids) == 20 and len(set(ids)) == 1
+    assert queue.count == 1
+
+
+def test_enqueue_once_of_a_plain_function_keys_all_arguments(redis_server):
+    """A function without singleton_job is deduplicated on all its arguments."""
+    client = redis_server.client()
+    queue = Queue("once-plain", connection=client)
+    a = enqueue_once(queue, print, ("a",))
+    assert enqueue_once(queue, print, ("a",)).id == a.id
+    assert enqueue_once(queue, print, ("b",)).id != a.id
+    with pytest.raises(ConfigurationError):
+        enqueue_once(queue, print, ("a",), job_id="fixed")
+
+
+def test_direct_call_outside_a_worker_runs_unlocked():
+    """Called directly (no current job, no client), the function simply runs."""
+
+    @singleton_job
+    def add(a, b):
+        return a + b
+
+    assert add(1, 2) == 3
+
+
+def test_bad_options_are_named():
+    """Invalid options fail at decoration with ConfigurationError naming them."""
+    with pytest.raises(ConfigurationError) as info:
+        singleton_job(print, on_conflict="wait")
+    assert info.value.setting == "on_conflict"
+    with pytest.raises(ConfigurationError) as info:
+        singleton_job(print, max_requeues=-1)
+    assert info.value.setting == "max_requeues"

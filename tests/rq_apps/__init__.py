@@ -1,0 +1,1 @@
+"""Job functions that the RQ tests' ``rq worker`` subprocesses import."""
