@@ -97,17 +97,7 @@ class TaskGuard:
         holder = Holder.new(request.id, request.hostname)
         try:
             # Inside the try: a Cluster client connects when first built.
-            lock = self.store.lock(
-                key,
-                timeout=self.options.ttl,
-                blocking=False,
-                thread_local=False,
-                auto_renew=True,
-                # Only the id: the lease outlives the run in the watchdog's heap,
-                # and the request would keep the call's arguments alive with it.
-                on_lost=lambda lease: self._report_lost(lease, task_id),
-                label=label,
-            )
+            lock = self._new_lock(key, task_id, label)
             acquired = lock.acquire(token=holder.encode())
         except RedisError as exc:
             return self._redis_failed(key, exc, body)
@@ -128,6 +118,25 @@ class TaskGuard:
         finally:
             _current.reset(context)
             self._release(lock, lease)
+
+    def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
+        """Build the lock one run takes (enqueue modes take it differently).
+
+        Raises:
+            redis.exceptions.RedisError: When the store's client cannot be built
+                (a Redis Cluster connects to learn its slots).
+        """
+        return self.store.lock(
+            key,
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            # Only the id: the lease outlives the run in the watchdog's heap,
+            # and the request would keep the call's arguments alive with it.
+            on_lost=lambda lease: self._report_lost(lease, task_id),
+            label=label,
+        )
 
     def _release(self, lock: Lock, lease: Lease) -> None:
         # Runs in the finally of the task body: before Celery stores the result,
@@ -362,5 +371,10 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        guard = per_queue[queue] = TaskGuard(task, options, store_for(task.app))
+        factory: type[TaskGuard] = TaskGuard
+        if options.mode != "while_executing":
+            from .enqueue import EnqueueGuard  # enqueue.py builds on this module
+
+            factory = EnqueueGuard
+        guard = per_queue[queue] = factory(task, options, store_for(task.app))
     return guard

@@ -32,6 +32,31 @@ def connect() -> None:
     signals.task_revoked.connect(
         _release_killed, weak=False, dispatch_uid="celery-redlock-release-killed"
     )
+    signals.task_revoked.connect(
+        _release_reservation, weak=False, dispatch_uid="celery-redlock-release-reservation"
+    )
+
+
+def _release_reservation(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    # A revoked or expired message discarded before it ran: its enqueue lock
+    # would otherwise keep every later call out until it expires.
+    if terminated or request is None or sender is None:
+        return
+    if not getattr(sender, GUARDED_ATTRIBUTE, False):
+        return
+    from .enqueue import release_revoked
+
+    try:
+        release_revoked(sender, guard_for(sender), request)
+    except Exception as exc:  # a handler must not take the worker down
+        logger.warning(
+            "task %s[%s]: could not release the enqueue lock of a revoked task: %r",
+            sender.name,
+            request.id,
+            exc,
+        )
 
 
 def _release_killed(
