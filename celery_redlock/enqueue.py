@@ -179,7 +179,7 @@ def apply_async(
     label = f"task {task.name}[{task_id}]"
     lent = _Loan(lease) if handing and lease is not None else None
     try:
-        reply = RESERVE(guard.client, (rkey,), (value, ttl_ms, replace))
+        reply = RESERVE(guard.store.client, (rkey,), (value, ttl_ms, replace))
     except RedisError as exc:
         if lent is not None:
             lent.give_back()
@@ -257,13 +257,13 @@ def _undo(guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: st
     """After a failed publish: release the reservation, or give a lent lock back to its attempt."""
     try:
         if lent is None:
-            RELEASE(guard.client, (rkey,), (value,))
+            RELEASE(guard.store.client, (rkey,), (value,))
             logger.info("%s: publish failed; released its reservation %s", label, rkey)
             return
         lease, ttl = lent.lease, lent.lease.ttl or 0.0
         try:
             sent_at = time.monotonic()
-            if RESERVE(guard.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
+            if RESERVE(guard.store.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
                 lease.validate_until(sent_at, ttl)
         finally:
             # Even if Redis failed too: the attempt then finds its lock gone and says so.
@@ -344,7 +344,7 @@ class EnqueueGuard(TaskGuard):
 
     @property
     def client(self) -> Any:
-        """The lock store's client: enqueue modes run on one server (see ``conf.check_mode_store``)."""
+        """The lock store's client: enqueue modes run on one server (``conf.check_mode_store``)."""
         return self.store.client
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
@@ -435,7 +435,7 @@ def release_revoked(task: Any, guard: TaskGuard, request: Any) -> bool:
         return False
     key = guard.keys.key_for(request.args or (), request.kwargs or {})
     rkey = reservation_key(guard.options.mode, key)
-    released = bool(RELEASE(guard.client, (rkey,), (value,)))
+    released = bool(RELEASE(guard.store.client, (rkey,), (value,)))
     if released:
         logger.info(
             "task %s[%s] was revoked before it ran; released its enqueue lock %s",
