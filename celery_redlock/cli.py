@@ -20,7 +20,7 @@ from celery.bin.worker import worker as worker_command
 
 from . import control  # noqa: F401  # registers redlock_stats for `celery inspect`
 from .bootsteps import check_lock_store
-from .conf import check_settings, flag, lock_url, redact_url
+from .conf import check_settings, flag, lock_url
 from .exceptions import ConfigurationError
 from .install import RECOVER_OPTION_NAME, WORKER_OPTION_NAME, install, worker_options
 from .ops_cli import COMMANDS
@@ -46,7 +46,7 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"lock store: {redact_url(lock_url(app.conf))}")
+    click.echo(f"lock store: {lock_url(app.conf)}")
     click.echo(f"locked queues: {', '.join(sorted(queues)) or '(none)'}")
     click.echo(check_lock_store(app))
 

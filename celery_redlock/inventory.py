@@ -19,7 +19,15 @@ from .holder import Holder
 from .keys import KEY_VERSION
 from .lock import fence_key_for
 
-__all__ = ["LockInfo", "find_locks", "lock_pattern", "parse_key", "read_locks", "scan"]
+__all__ = [
+    "LockInfo",
+    "clients_of",
+    "find_locks",
+    "lock_pattern",
+    "parse_key",
+    "read_locks",
+    "scan",
+]
 
 #: Keys fetched per pipelined read.
 READ_BATCH = 200
@@ -48,6 +56,19 @@ def parse_key(key: str) -> tuple[str, str] | None:
     if match is None:
         return None
     return match["prefix"], match["task"]
+
+
+def clients_of(store: Any) -> list[Any]:
+    """Return the clients to read a lock store with: one per Redlock master, else its one client.
+
+    A Cluster client stays whole: it routes each key to its node, and
+    :func:`scan` visits every primary through it.
+
+    Raises:
+        redis.exceptions.RedisError: When a Cluster cannot be reached to learn its slots.
+    """
+    client = store.client
+    return list(client) if store.spec.topology == "redlock" else [client]
 
 
 def scan(client: Any, pattern: str, count: int = SCAN_COUNT) -> Iterator[str]:

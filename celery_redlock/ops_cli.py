@@ -20,12 +20,12 @@ import click
 from celery.bin.base import CeleryCommand
 
 from .control import STATS_COMMAND
-from .guard import client_for
 from .holder import Holder
-from .inventory import LockInfo, find_locks, read_locks
+from .inventory import LockInfo, clients_of, find_locks, read_locks
 from .recovery import lock_prefixes, pid_alive
 from .scripts import RELEASE
 from .stats import COUNTERS
+from .store import store_for
 
 __all__ = ["COMMANDS", "Liveness", "holder_liveness"]
 
@@ -59,6 +59,26 @@ def _dump(data: Any) -> None:
 
 def _prefixes(app: Any, given: Sequence[str]) -> list[str]:
     return list(given) or lock_prefixes(app)
+
+
+def _clients(app: Any) -> list[Any]:
+    return clients_of(store_for(app))
+
+
+def _find(
+    app: Any, prefixes: Sequence[str], task: str | None = None, queue: str | None = None
+) -> list[LockInfo]:
+    # On Redlock each master holds its own copy of a lock: list each key once.
+    found: dict[str, LockInfo] = {}
+    for client in _clients(app):
+        for info in find_locks(client, prefixes, task, queue):
+            found.setdefault(info.key, info)
+    return sorted(found.values(), key=lambda info: (info.task, info.key))
+
+
+def _delete(app: Any, info: LockInfo) -> bool:
+    """Compare-and-delete ``info``'s value on every master; ``True`` if any held it."""
+    return sum(int(RELEASE(client, (info.key,), (info.value,))) for client in _clients(app)) > 0
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:
@@ -100,10 +120,7 @@ def list_locks(
 ) -> None:
     """List the held task locks: holder, worker, acquired at, TTL left, renewals, fence."""
     app = _app(ctx)
-    locks = sorted(
-        find_locks(client_for(app), _prefixes(app, prefixes), task, queue),
-        key=lambda info: (info.task, info.key),
-    )
+    locks = _find(app, _prefixes(app, prefixes), task, queue)
     if as_json:
         _dump([info.as_dict() for info in locks])
         return
@@ -156,10 +173,11 @@ def _describe(info: LockInfo) -> list[tuple[str, str]]:
 
 
 def _read_one(app: Any, key: str) -> LockInfo:
-    found = read_locks(client_for(app), [key])
-    if not found:
-        _fail(f"no task lock at {key}")
-    return found[0]
+    for client in _clients(app):
+        found = read_locks(client, [key])
+        if found:
+            return found[0]
+    _fail(f"no task lock at {key}")
 
 
 @click.command(name="show", cls=CeleryCommand)
@@ -239,7 +257,7 @@ def release(ctx: click.Context, /, key: str, force: bool, timeout: float, **kwar
             f"refused: {key} is held by {who}, which {state} ({liveness.reason}); "
             "use --force to release it anyway"
         )
-    if not RELEASE(client_for(app), (key,), (info.value,)):
+    if not _delete(app, info):
         _fail(f"{key} changed hands or expired meanwhile; nothing deleted")
     forced = " (forced)" if liveness.alive is not False else ""
     click.echo(f"released {key}{forced}: it was held by {who}; {liveness.reason}")
@@ -270,8 +288,7 @@ def purge(
     if (task is None) == (not everything):
         raise click.UsageError("give exactly one of --task NAME or --all")
     app = _app(ctx)
-    client = client_for(app)
-    locks = list(find_locks(client, _prefixes(app, prefixes), task))
+    locks = _find(app, _prefixes(app, prefixes), task)
     verb = "would delete" if dry_run else "deleting"
     for info in locks:
         holder = info.holder
@@ -285,7 +302,7 @@ def purge(
         return
     if not yes:
         click.confirm(f"delete {len(locks)} lock(s)?", abort=True)
-    deleted = sum(int(RELEASE(client, (info.key,), (info.value,))) for info in locks)
+    deleted = sum(int(_delete(app, info)) for info in locks)
     changed = len(locks) - deleted
     tail = f"; {changed} had changed hands or expired and were left" if changed else ""
     click.echo(f"deleted {deleted} lock(s){tail}")

@@ -7,7 +7,10 @@ process that no longer exists there, can only belong to a dead earlier
 incarnation, so it is deleted at once, with a compare-and-delete of the exact
 value read, so a lock taken again meanwhile stays. Locks of any other node or
 host, of a live process, or whose value does not record its host (format
-``v1``) are never touched: they expire on their own.
+``v1``) are never touched: they expire on their own. Nor are values without
+a TTL: only a running task's execution lock records its TTL, while an enqueue
+lock (``lock_mode``) names the process that *published* the task, whose exit
+says nothing about the queued message.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def stale_for(
 ) -> bool:
     """Return ``True`` if ``info`` was left by a dead process of worker ``node`` on ``host``."""
     holder = info.holder
-    if holder is None or holder.host is None:
+    if holder is None or holder.host is None or not holder.ttl_ms:
         return False
     return holder.hostname == node and holder.host == host and not alive(holder.pid)
 

@@ -34,7 +34,7 @@ from celery_redlock.exceptions import (
     QuorumNotAchieved,
 )
 from celery_redlock.lock import Lease, Number
-from celery_redlock.redlock import default_node_timeout
+from celery_redlock.quorum import default_node_timeout
 from celery_redlock.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
 from .lock import Lock

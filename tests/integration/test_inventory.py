@@ -90,11 +90,15 @@ def test_recovery_releases_only_dead_processes_of_this_node_and_host(r: redis.Re
         _take(r, key, value)
     v1 = _key("app.a", 5)
     r.set(v1, f"v1|tok|t|w1@h|{dead}", px=60_000)
+    # An enqueue lock names its publisher and records no TTL: never recovered.
+    enqueued = _key("app.a", 6)
+    publisher = holder("w1@h", dead, here)
+    r.set(enqueued, Holder(**{**publisher.__dict__, "ttl_ms": 0}).encode(), px=60_000)
 
     released = recover_stale(r, ["ops"], "w1@h", here)
     assert [info.key for info in released] == [stale]
     assert not r.exists(stale)
-    assert all(r.exists(key) for key in [*kept, v1])
+    assert all(r.exists(key) for key in [*kept, v1, enqueued])
 
 
 def _cluster_port() -> int:
