@@ -412,11 +412,12 @@ class Demo:
         returned = [task.delay(day).id for _ in range(clicks)]
         step.ids = sorted(set(returned), key=returned.index)
         step.same_id = clicks - len(step.ids)
+        print(f"   {clicks} clicks ... {len(step.ids)} published, {step.same_id} got its task id")
         self.window_lines.append(
             f"{name}: {clicks} clicks of 'generate' returned "
             f"{len(step.ids)} distinct task id: {', '.join(i[:8] for i in step.ids)}"
         )
-        self.wait_settled(step, f"   {len(step.ids)} published report(s) run ...", timeout=15)
+        self.wait_settled(step, "   the report runs ...", timeout=15)
         self.check(
             len(step.ids) == 1 and step.same_id == clicks - 1,
             f"{name}: {clicks} clicks, 1 published; the other {clicks - 1} got its task id",
@@ -444,6 +445,7 @@ class Demo:
             except DuplicateTask as exc:
                 refused.append(exc)
         step.raised = len(refused)
+        print(f"   {requests} requests ... {len(step.ids)} published, {step.raised} DuplicateTask")
         ttls = [exc.holder_ttl for exc in refused if exc.holder_ttl is not None]
         holders = {exc.task_id for exc in refused}
         if ttls:
@@ -471,7 +473,7 @@ class Demo:
         except DuplicateTask as exc:
             step.raised += 1
             self.window_lines.append(f"{name}: a request after it started was refused: {exc}")
-        self.wait_settled(step, f"   {len(step.ids)} published refresh(es) run ...", timeout=15)
+        self.wait_settled(step, "   both refreshes run ...", timeout=15)
         self.check(
             step.raised == requests - 1 and holders == {first.id},
             f"{name}: {requests - 1} of {requests} requests in the countdown raised "
