@@ -41,17 +41,27 @@ from typing import Any, Union
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .exceptions import (
     ConfigurationError,
     LockError,
-    LockNotAcquired,
     LockNotOwned,
     QuorumNotAchieved,
 )
 from .lock import Lease, Lock, Number
+from .quorum import (
+    NOT_ASKED,
+    PENDING,
+    Holder,
+    Votes,
+    as_bytes,
+    holder_of,
+    lost_vote,
+    most_common_holder,
+    node_address,
+    refusal_of_acquire,
+)
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
@@ -59,8 +69,6 @@ __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 logger = logging.getLogger(__name__)
 
 Master = Union[str, Any]
-#: A holder seen on a master: its value and the seconds it has left there.
-Holder = tuple[Union[str, None], Union[float, None]]
 
 #: Bounds of the default node timeout, a tenth of the TTL.
 NODE_TIMEOUT_MIN = 0.05
@@ -230,13 +238,6 @@ class _Connected:
 
 
 # -- masters -------------------------------------------------------------------------
-
-
-def _address(kwargs: dict[str, Any]) -> str:
-    db = kwargs.get("db", 0)
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}?db={db}"
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
 
 
 def _pollable(pool: Any, kwargs: dict[str, Any]) -> bool:
@@ -418,21 +419,19 @@ def _node_for(master: Master, timeout: float) -> _Node:
         if pool is None or kwargs is None or not _pollable(pool, kwargs):
             # Used through a client on the thread pool; not shared, since such a
             # node has to keep its client alive.
-            name = repr(client) if kwargs is None else _address(kwargs)
+            name = repr(client) if kwargs is None else node_address(kwargs)
             return _Node(name, timeout, client=bounded_client(client, timeout))
         by_timeout = _nodes.setdefault(pool, {})
         node = by_timeout.get(timeout)
         if node is None:
             node = by_timeout[timeout] = _Node(
-                _address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
+                node_address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
             )
         return node
 
 
 # -- one request to every master -------------------------------------------------------
 
-_PENDING = object()
-_NOT_ASKED = object()
 Settle = Callable[[int, Any], bool]
 
 
@@ -456,7 +455,7 @@ class _Round:
     ) -> None:
         self.nodes = nodes
         self.requests = requests
-        self.outcomes: list[Any] = [_NOT_ASKED if r is None else _PENDING for r in requests]
+        self.outcomes: list[Any] = [NOT_ASKED if r is None else PENDING for r in requests]
         self.expired = False
         timeout = max((node.timeout for node in nodes), default=0.0)
         self.deadline = time.monotonic() + timeout
@@ -677,43 +676,6 @@ def _late(
     node.park(conn, 1)
 
 
-class _Votes:
-    """A majority vote among ``size`` masters."""
-
-    __slots__ = ("failed", "granted", "needed", "refused", "size")
-
-    def __init__(self, size: int, granted: int = 0) -> None:
-        self.size = size
-        self.needed = size // 2 + 1
-        self.granted = granted
-        self.refused = 0
-        self.failed = 0
-
-    @property
-    def won(self) -> bool:
-        return self.granted >= self.needed
-
-    @property
-    def refused_by_majority(self) -> bool:
-        """Enough masters answered no that no majority can say yes, whatever the rest do."""
-        return self.refused > self.size - self.needed
-
-    def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
-        """A ``settle`` callback for :meth:`_Round.collect` that counts votes."""
-
-        def count(i: int, outcome: Any) -> bool:
-            if isinstance(outcome, BaseException):
-                self.failed += 1
-            elif agrees(i, outcome):
-                self.granted += 1
-            else:
-                self.refused += 1
-            # Decided once a majority agreed, or once too few are left to make one.
-            return self.won or self.refused + self.failed > self.size - self.needed
-
-        return count
-
-
 class _Masters:
     """The masters of one Redlock, asked all at once."""
 
@@ -745,9 +707,9 @@ class _Masters:
         request: _Request,
         agrees: Callable[[int, Any], bool],
         claims: dict[int, Any] | None = None,
-    ) -> tuple[_Round, _Votes]:
+    ) -> tuple[_Round, Votes]:
         """Send ``request`` to every master and count until a majority is won or lost."""
-        votes = _Votes(len(self.nodes))
+        votes = Votes(len(self.nodes))
         with self.ask(request, claims) as round_:
             round_.collect(votes.settle(agrees))
         return round_, votes
@@ -761,45 +723,20 @@ class _Masters:
         message: str,
         lock_name: str,
         round_: _Round,
-        votes: _Votes,
+        votes: Votes,
         refusal: Callable[[Any], LockError | None],
     ) -> QuorumNotAchieved:
         """Describe a lost vote: what each master that did not agree answered."""
-        errors: dict[str, BaseException] = {}
-        for node, outcome in zip(self.nodes, round_.outcomes):
-            if outcome is _NOT_ASKED:
-                continue
-            if outcome is _PENDING:
-                errors[node.name] = RedisTimeoutError(
-                    f"no answer within the node timeout ({self.timeout * 1000:.0f} ms)"
-                    if round_.expired
-                    else "not awaited: the vote was lost before it answered"
-                )
-            elif isinstance(outcome, BaseException):
-                errors[node.name] = outcome
-            else:
-                refused = refusal(outcome)
-                if refused is not None:
-                    errors[node.name] = refused
-        details = "; ".join(f"{name}: {error}" for name, error in errors.items())
-        return QuorumNotAchieved(
-            f"{message}: {votes.granted} of {len(self.nodes)} masters agreed, "
-            f"{votes.needed} needed" + (f" ({details})" if details else ""),
-            lock_name=lock_name,
-            errors=errors,
-            granted=votes.granted,
-            needed=votes.needed,
+        return lost_vote(
+            message,
+            lock_name,
+            [node.name for node in self.nodes],
+            round_.outcomes,
+            votes,
+            refusal,
+            self.timeout,
+            round_.expired,
         )
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return None if value is None else str(value)
-
-
-def _as_bytes(value: Any) -> bytes | None:
-    return value.encode() if isinstance(value, str) else value
 
 
 # -- the lock ----------------------------------------------------------------------------
@@ -995,7 +932,7 @@ class Redlock(Lock):
 
         def agrees(i: int, reply: Any) -> bool:
             if isinstance(reply, list):  # the acquire script's "held by" answer
-                holders.append((_text(reply[1]), reply[0] / 1000 if reply[0] >= 0 else None))
+                holders.append(holder_of(reply))
                 return False
             if reply is None:  # SET NX refused
                 return False
@@ -1004,7 +941,7 @@ class Redlock(Lock):
             granted.add(i)
             return True
 
-        votes = _Votes(len(masters.nodes))
+        votes = Votes(len(masters.nodes))
         with masters.ask(self._grant_request(token)) as grant:
             grant.collect(votes.settle(agrees))
             failure: QuorumNotAchieved | None = None
@@ -1027,7 +964,7 @@ class Redlock(Lock):
                 self._undo(grant, granted, token)
             else:
                 lease.stragglers = grant.finish(reserve=True)
-        self.local.holder = self._holder_summary(holders) if holders else None
+        self.local.holder = most_common_holder(holders) if holders else None
         if failure is not None:
             failure.holder, failure.holder_ttl = self.local.holder or (None, None)
             self.local.failure = failure
@@ -1046,25 +983,8 @@ class Redlock(Lock):
             return _Request(("SET", self.name, token, "NX", "PX", self._ttl_ms))
         return _Request(("SET", self.name, token, "NX"))
 
-    @staticmethod
-    def _holder_summary(holders: list[Holder]) -> Holder:
-        value = Counter(holder for holder, _ in holders).most_common(1)[0][0]
-        ttls = [ttl for holder, ttl in holders if holder == value and ttl is not None]
-        return value, max(ttls) if ttls else None
-
     def _refusal(self, reply: Any) -> LockError | None:
-        if isinstance(reply, list):
-            holder = _text(reply[1])
-            ttl = reply[0] / 1000 if reply[0] >= 0 else None
-            return LockNotAcquired(
-                f"held by {holder!r}" + (f" for {ttl:g} s more" if ttl is not None else ""),
-                lock_name=self.name,
-                holder=holder,
-                holder_ttl=ttl,
-            )
-        if reply is None:
-            return LockNotAcquired("held by another token", lock_name=self.name)
-        return None
+        return refusal_of_acquire(self.name, reply)
 
     def _hand_out_fence(
         self, token: bytes, fences: dict[int, int]
@@ -1078,7 +998,7 @@ class Redlock(Lock):
         hold it; usually all do, and no second round trip is needed.
         """
         fence = max(fences.values())
-        votes = _Votes(len(self._masters.nodes), sum(1 for f in fences.values() if f == fence))
+        votes = Votes(len(self._masters.nodes), sum(1 for f in fences.values() if f == fence))
         if votes.won:
             return fence, None
         request = _Request.run(
@@ -1186,9 +1106,9 @@ class Redlock(Lock):
         best = max(values.values(), default=0)
         if best >= self.quorum:
             return True
-        unanswered = sum(1 for outcome in round_.outcomes if outcome is _PENDING)
+        unanswered = sum(1 for outcome in round_.outcomes if outcome is PENDING)
         if best + failed + unanswered >= self.quorum:
-            votes = _Votes(len(self._masters.nodes), best)
+            votes = Votes(len(self._masters.nodes), best)
             raise self._masters.failure(
                 f"Cannot tell whether lock {self.name} is held",
                 self.name,
@@ -1208,7 +1128,7 @@ class Redlock(Lock):
         if token is None:
             return False
         round_, votes = self._masters.vote(
-            _Request(("GET", self.name)), lambda i, value: _as_bytes(value) == token
+            _Request(("GET", self.name)), lambda i, value: as_bytes(value) == token
         )
         if votes.won or votes.refused_by_majority:
             return votes.won
@@ -1217,7 +1137,7 @@ class Redlock(Lock):
             self.name,
             round_,
             votes,
-            lambda value: None if _as_bytes(value) == token else LockNotOwned("not ours"),
+            lambda value: None if as_bytes(value) == token else LockNotOwned("not ours"),
         )
 
     def __repr__(self) -> str:

@@ -63,15 +63,17 @@ def _seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
     return float(value)
 
 
-class _TaskState:
+class TaskState:
     """What one task knows about its hold of one lock."""
 
-    __slots__ = ("holder", "lease", "renewal", "token")
+    __slots__ = ("failure", "holder", "lease", "renewal", "token")
 
     def __init__(self) -> None:
         self.token: bytes | None = None
         self.lease: Lease | None = None
         self.holder: tuple[str | None, float | None] | None = None
+        # Why the latest attempt failed, when a subclass knows more than the holder.
+        self.failure: LockError | None = None
         self.renewal: asyncio.Task[None] | None = None
 
 
@@ -161,17 +163,17 @@ class Lock:
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label
-        self._shared = None if self.thread_local else _TaskState()
+        self._shared = None if self.thread_local else TaskState()
         # Per-task states die with their tasks.
-        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], _TaskState] = (
+        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], TaskState] = (
             weakref.WeakKeyDictionary()
         )
         # Calls made outside any task (from a loop callback) share one state.
-        self._untasked = _TaskState()
+        self._untasked = TaskState()
 
     # -- per-task state ------------------------------------------------------------
 
-    def _state(self) -> _TaskState:
+    def _state(self) -> TaskState:
         """Return the state of the running task (the caller must be on a running loop)."""
         if self._shared is not None:
             return self._shared
@@ -180,10 +182,10 @@ class Lock:
             return self._untasked
         state = self._states.get(task)
         if state is None:
-            state = self._states[task] = _TaskState()
+            state = self._states[task] = TaskState()
         return state
 
-    def _bound(self) -> _TaskState | None:
+    def _bound(self) -> TaskState | None:
         """The caller's state if a loop runs now; ``None`` defers the lookup to the first await."""
         try:
             asyncio.get_running_loop()
@@ -192,7 +194,7 @@ class Lock:
         return self._state()
 
     @property
-    def local(self) -> _TaskState:
+    def local(self) -> TaskState:
         """The calling task's state (``token``, ``lease``, ``holder``), as redis-py's ``local``."""
         return self._state()
 
@@ -201,8 +203,12 @@ class Lock:
     async def __aenter__(self: _LockT) -> _LockT:
         if await self.acquire():
             return self
-        holder, holder_ttl = self._state().holder or (None, None)
-        raise LockNotAcquired(
+        raise self._not_acquired(self._state())
+
+    def _not_acquired(self, state: TaskState) -> LockError:
+        """Build the error an ``async with`` block raises when the lock could not be taken."""
+        holder, holder_ttl = state.holder or (None, None)
+        return LockNotAcquired(
             "Unable to acquire lock within the time specified",
             lock_name=self.name,
             holder=holder,
@@ -246,7 +252,7 @@ class Lock:
 
     async def _acquire(
         self,
-        state: _TaskState | None,
+        state: TaskState | None,
         sleep: Number | None,
         blocking: bool | None,
         blocking_timeout: Number | None,
@@ -287,7 +293,7 @@ class Lock:
         encoded: bytes = self.redis.get_encoder().encode(token)
         return encoded
 
-    async def _attempt(self, state: _TaskState, token: bytes) -> bool:
+    async def _attempt(self, state: TaskState, token: bytes) -> bool:
         """Make one attempt; on success store the new lease in ``state``."""
         sent_at = self._clock()
         attempt = detach(self._send_acquire(token))
@@ -300,9 +306,10 @@ class Lock:
             raise asyncio.CancelledError()
         acquired, reply = attempt.result()
         if not acquired:
-            state.holder = reply
+            self._refused(state, reply)
             return False
         state.holder = None
+        state.failure = None
         state.lease = Lease(
             client=self.redis,
             name=self.name,
@@ -317,6 +324,10 @@ class Lock:
             label=self.label,
         )
         return True
+
+    def _refused(self, state: TaskState, reply: Any) -> None:
+        """Record in ``state`` why an attempt failed, from ``_send_acquire``'s reply."""
+        state.holder = reply
 
     async def _send_acquire(self, token: bytes) -> tuple[bool, Any]:
         """One acquire round trip: ``(True, fence)`` or ``(False, (holder, holder_ttl))``."""
@@ -362,7 +373,7 @@ class Lock:
         """Return ``True`` if this task's token is the lock's value (one ``GET``)."""
         return self._owned(self._bound())
 
-    async def _owned(self, state: _TaskState | None) -> bool:
+    async def _owned(self, state: TaskState | None) -> bool:
         token = (state or self._state()).token
         if token is None:
             return False
@@ -383,7 +394,7 @@ class Lock:
         """
         return self._release(self._bound())
 
-    async def _release(self, state: _TaskState | None) -> None:
+    async def _release(self, state: TaskState | None) -> None:
         if state is None:
             state = self._state()
         token = state.token
@@ -434,7 +445,7 @@ class Lock:
         return self._extend(self._bound(), additional_time, replace_ttl)
 
     async def _extend(
-        self, state: _TaskState | None, additional_time: Number, replace_ttl: bool
+        self, state: TaskState | None, additional_time: Number, replace_ttl: bool
     ) -> Literal[True]:
         state = state or self._state()
         if state.token is None:
@@ -454,7 +465,7 @@ class Lock:
         """
         return self._reacquire(self._bound())
 
-    async def _reacquire(self, state: _TaskState | None) -> Literal[True]:
+    async def _reacquire(self, state: TaskState | None) -> Literal[True]:
         state = state or self._state()
         if state.token is None:
             raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
@@ -463,7 +474,7 @@ class Lock:
         await self._renew(state, self._ttl_ms, True, "reacquire")
         return True
 
-    async def _renew(self, state: _TaskState, ms: int, replace: bool, operation: str) -> None:
+    async def _renew(self, state: TaskState, ms: int, replace: bool, operation: str) -> None:
         lease, token = state.lease, state.token
         assert lease is not None and token is not None
         sent_at = self._clock()

@@ -17,7 +17,8 @@ from celery_redlock import (
     Redlock,
     Watchdog,
 )
-from celery_redlock.redlock import _Votes, default_node_timeout
+from celery_redlock.quorum import Votes
+from celery_redlock.redlock import default_node_timeout
 
 OFFLINE = ["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"]
 
@@ -82,7 +83,7 @@ def test_quorum_and_names():
 def test_votes_decide_exactly_when_the_outcome_is_certain(size, votes):
     """The count stops once a majority agreed or can no longer agree, never before."""
     votes = votes[:size]
-    tally = _Votes(size)
+    tally = Votes(size)
     settle = tally.settle(lambda i, agreed: agreed)
     decided_at = None
     for i, vote in enumerate(votes):
