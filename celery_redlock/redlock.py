@@ -168,6 +168,23 @@ def default_node_timeout(ttl: float | None) -> float:
     return min(max(ttl / 10, NODE_TIMEOUT_MIN), NODE_TIMEOUT_MAX, ttl / 2)
 
 
+def check_node_timeout(node_timeout: object, ttl: float | None) -> float:
+    """Validate a Redlock's ``node_timeout`` (``None``: the default for ``ttl``), in seconds.
+
+    Raises:
+        ConfigurationError: If it is not a positive number below the TTL.
+    """
+    if node_timeout is None:
+        return default_node_timeout(ttl)
+    if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
+        raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
+    if node_timeout <= 0 or (ttl is not None and node_timeout >= ttl):
+        raise ConfigurationError(
+            "node_timeout", node_timeout, "must be positive and shorter than the timeout"
+        )
+    return float(node_timeout)
+
+
 # -- requests ------------------------------------------------------------------------
 
 
@@ -870,7 +887,7 @@ class Redlock(Lock):
             raise ConfigurationError(
                 "masters", masters, "must be a non-empty list of clients or URLs"
             )
-        self.node_timeout = self._check_node_timeout(node_timeout)
+        self.node_timeout = check_node_timeout(node_timeout, self.timeout)
         nodes = [_node_for(master, self.node_timeout) for master in masters]
         names = Counter(node.name for node in nodes)
         twice = [name for name, count in names.items() if count > 1]
@@ -879,17 +896,6 @@ class Redlock(Lock):
             raise ConfigurationError("masters", twice, "name the same server more than once")
         self.masters = tuple(masters)
         self._masters = _Masters(nodes, self.node_timeout)
-
-    def _check_node_timeout(self, node_timeout: Number | None) -> float:
-        if node_timeout is None:
-            return default_node_timeout(self.timeout)
-        if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
-            raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
-        if node_timeout <= 0 or (self.timeout is not None and node_timeout >= self.timeout):
-            raise ConfigurationError(
-                "node_timeout", node_timeout, "must be positive and shorter than the timeout"
-            )
-        return float(node_timeout)
 
     @property
     def quorum(self) -> int:

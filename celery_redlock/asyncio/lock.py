@@ -30,14 +30,16 @@ from typing import Any, Literal, TypeVar, Union
 
 from redis.exceptions import RedisError
 
-from celery_redlock.exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.exceptions import LockError, LockNotAcquired, LockNotOwned
 from celery_redlock.lock import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_FENCE_RETENTION,
     Clock,
     Lease,
     LostCallback,
+    check_options,
     fence_key_for,
+    positive_seconds,
 )
 from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
 
@@ -51,16 +53,6 @@ logger = logging.getLogger(__name__)
 
 Number = Union[int, float]
 _LockT = TypeVar("_LockT", bound="Lock")
-
-
-def _seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(setting, value, "must be a number of seconds")
-    if value <= 0 or int(value * 1000) < 1:
-        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
-    return float(value)
 
 
 class TaskState:
@@ -129,24 +121,14 @@ class Lock:
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.timeout = _seconds("timeout", timeout, allow_none=True)
-        if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
-            raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
-        if blocking_timeout is not None and (
-            isinstance(blocking_timeout, bool)
-            or not isinstance(blocking_timeout, (int, float))
-            or blocking_timeout < 0
-        ):
-            raise ConfigurationError(
-                "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
-            )
-        if auto_renew and self.timeout is None:
-            raise ConfigurationError(
-                "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
-            )
-        if not 0 <= drift_factor < 0.5:
-            raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
-        _seconds("fence_retention", fence_retention, allow_none=False)
+        self.timeout = check_options(
+            timeout=timeout,
+            sleep=sleep,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            drift_factor=drift_factor,
+            fence_retention=fence_retention,
+        )
         self.redis = redis
         self.name = name
         self.sleep = sleep
@@ -452,7 +434,7 @@ class Lock:
             raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
         if self.timeout is None:
             raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
-        _seconds("additional_time", additional_time, allow_none=False)
+        positive_seconds("additional_time", additional_time, allow_none=False)
         await self._renew(state, int(additional_time * 1000), replace_ttl, "extend")
         return True
 

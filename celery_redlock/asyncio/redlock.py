@@ -58,7 +58,7 @@ from celery_redlock.quorum import (
     node_address,
     refusal_of_acquire,
 )
-from celery_redlock.redlock import default_node_timeout
+from celery_redlock.redlock import check_node_timeout
 from celery_redlock.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
 from .lock import Lock, TaskState
@@ -272,18 +272,7 @@ class Redlock(Lock):
         if isinstance(masters, (str, bytes)) or not masters:
             raise ConfigurationError("masters", masters, "must be a non-empty list of clients")
         super().__init__(masters[0], name, *args, **options)
-        if node_timeout is None:
-            node_timeout = default_node_timeout(self.timeout)
-        elif (
-            isinstance(node_timeout, bool)
-            or not isinstance(node_timeout, (int, float))
-            or node_timeout <= 0
-            or (self.timeout is not None and node_timeout >= self.timeout)
-        ):
-            raise ConfigurationError(
-                "node_timeout", node_timeout, "must be positive and shorter than the timeout"
-            )
-        self.node_timeout = float(node_timeout)
+        self.node_timeout = check_node_timeout(node_timeout, self.timeout)
         self._masters = _Masters(masters, name, self.node_timeout)
         twice = [n for n, count in Counter(self._masters.names).items() if count > 1]
         if twice:
