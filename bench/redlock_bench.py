@@ -21,6 +21,8 @@ import argparse
 import contextlib
 import functools
 import json
+import os
+import resource
 import statistics
 import sys
 import threading
@@ -36,6 +38,7 @@ for path in (BENCH, BENCH.parent):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+from fanout_floor import FanoutFloor  # noqa: E402
 from lock_bench import (  # noqa: E402
     BenchError,
     machine_context,
@@ -53,6 +56,10 @@ TTL_SECONDS = 10
 SINGLE = "Lock, 1 master"
 FIVE = "Redlock, 5 masters"
 POTTERY = "pottery Redlock, 5 masters"
+FLOOR_ONE = "raw floor, 1 master"
+FLOOR_FIVE = "raw fan-out floor, 5 masters"
+#: Cores the masters and the client share; the CPU bound divides by this.
+CORES = len(os.sched_getaffinity(0))
 LATENCY_TARGET = 1.5
 THROUGHPUT_TARGET = 2.0
 
@@ -68,7 +75,7 @@ def cycle_of(lock: Any, acquire: Callable[[], bool]) -> Cycle:
     return cycle
 
 
-def contenders(clients: list[redis.Redis]) -> dict[str, Cycle]:
+def contenders(clients: list[redis.Redis], ports: list[int]) -> dict[str, Cycle]:
     from pottery import Redlock as PotteryRedlock
 
     def ours(lock: Any) -> Cycle:
@@ -86,6 +93,9 @@ def contenders(clients: list[redis.Redis]) -> dict[str, Cycle]:
             celery_redlock.Redlock(clients, "bench:nofence5", timeout=TTL_SECONDS, fencing=False)
         ),
         POTTERY: cycle_of(pottery, functools.partial(pottery.acquire, blocking=False)),
+        # What the transport, the servers and the machine cost without any library.
+        FLOOR_ONE: FanoutFloor(ports[:1], "bench:floor1").cycle,
+        FLOOR_FIVE: FanoutFloor(ports, "bench:floor5").cycle,
     }
 
 
@@ -103,8 +113,8 @@ class AllServers:
         }
 
 
-def run(clients: list[redis.Redis], args: argparse.Namespace) -> dict[str, Any]:
-    cycles = contenders(clients)
+def run(clients: list[redis.Redis], ports: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    cycles = contenders(clients, ports)
     names = list(cycles)
     admin = AllServers(clients)
     for name in names:
@@ -113,16 +123,30 @@ def run(clients: list[redis.Redis], args: argparse.Namespace) -> dict[str, Any]:
     settle(0)
     baseline_threads = threading.active_count()
     blocks: dict[str, list[Any]] = {name: [] for name in names}
+    splits: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     started = time.monotonic()
     for r in range(args.rounds):
         for name in round_order(names, r):
+            before = resource.getrusage(resource.RUSAGE_SELF)
             blocks[name].append(timed_block(cycles[name], args.cycles, admin))
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            # The kernel's share of the client's CPU: loopback TCP is most of it.
+            splits[name].append(
+                (
+                    (after.ru_utime - before.ru_utime) / args.cycles * 1e6,
+                    (after.ru_stime - before.ru_stime) / args.cycles * 1e6,
+                )
+            )
             settle(baseline_threads)
         log(f"round {r + 1}/{args.rounds} done at {time.monotonic() - started:.0f} s")
         if r >= 2 and time.monotonic() - started > args.budget:
             log(f"stopping after {r + 1} rounds: over the {args.budget} s budget")
             break
-    return summarize(blocks)
+    rows = summarize(blocks)
+    for name, row in rows.items():
+        row["client_user_us"] = statistics.median(user for user, _ in splits[name])
+        row["client_sys_us"] = statistics.median(system for _, system in splits[name])
+    return rows
 
 
 def summarize(blocks: dict[str, list[Any]]) -> dict[str, Any]:
@@ -159,7 +183,7 @@ def render(
     throughput = five["cycles_per_s"] / pottery["cycles_per_s"]
     table = [
         "| contender | cycles/s | p50 µs | p99 µs | x Lock p50 | x Lock (paired) "
-        "| client CPU µs/cycle | server CPU µs/cycle (all masters) |",
+        "| client CPU µs/cycle (user + sys) | server CPU µs/cycle (all masters) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     parameters = [
@@ -182,7 +206,8 @@ def render(
         lines.append(
             f"| {name} | {row['cycles_per_s']:,.0f} | {row['p50_us']:.1f} | {row['p99_us']:.1f} "
             f"| {row['p50_ratio']:.2f} | {row['paired_latency_ratio']:.2f} "
-            f"| {row['client_cpu_us']:.1f} | {row['server_cpu_us']:.1f} |"
+            f"| {row['client_cpu_us']:.1f} ({row['client_user_us']:.0f} + "
+            f"{row['client_sys_us']:.0f}) | {row['server_cpu_us']:.1f} |"
         )
     targets = [
         f"- 5-master Redlock p50 within {LATENCY_TARGET}x of Lock on one master: "
@@ -191,8 +216,66 @@ def render(
         f"- 5-master Redlock >= {THROUGHPUT_TARGET}x pottery's cycles/s: "
         f"**{'met' if throughput >= THROUGHPUT_TARGET else 'not met'}** ({throughput:.1f}x)",
     ]
-    lines += ["", *section("Targets", targets)]
+    lines += ["", *section("Targets", targets), *section("Where the time goes", analysis(rows))]
     return "\n".join(lines)
+
+
+def cpu_bound_us(row: dict[str, float]) -> float:
+    """Least wall time a cycle can take given its CPU: the client's part runs on one
+    thread, and client plus servers share the machine's cores."""
+    return max(row["client_cpu_us"], (row["client_cpu_us"] + row["server_cpu_us"]) / CORES)
+
+
+def analysis(rows: dict[str, dict[str, float]]) -> list[str]:
+    """Explain the 5-master latency from the floors and the CPU columns, in numbers."""
+    single, five = rows[SINGLE], rows[FIVE]
+    floor1, floor5 = rows[FLOOR_ONE], rows[FLOOR_FIVE]
+    budget = LATENCY_TARGET * single["p50_us"]
+    left = budget - floor5["p50_us"]
+    room = (
+        f"which leaves a Redlock client {left:.0f} µs for its own work"
+        if left > 0
+        else f"already {-left:.0f} µs over the target before any library work"
+    )
+    if cpu_bound_us(floor5) > budget or floor5["p50_us"] > budget:
+        verdict = (
+            "On this machine the 5-master latency is CPU-bound, and the "
+            f"{LATENCY_TARGET}x target is out of reach of any client, this one included."
+        )
+    else:
+        verdict = "The floor would allow the target here; the rest is this client's own work."
+    return [
+        f"- The raw floors (no library: pre-packed commands, one `write()` per master, "
+        f"`poll()`, hiredis; see `bench/fanout_floor.py`) put a 5-master cycle at "
+        f"{floor5['p50_us'] / floor1['p50_us']:.1f}x a 1-master cycle on this "
+        f"{CORES}-core machine: {floor5['p50_us']:.0f} µs against {floor1['p50_us']:.0f} µs "
+        "(p50). Five server processes and the client share the cores, and each master "
+        "costs a socket write, a wake-up and a read on both sides.",
+        f"- The target, {LATENCY_TARGET}x Lock's p50, is {budget:.0f} µs. The 5-master floor "
+        f"alone takes {floor5['p50_us']:.0f} µs, {room} (timeouts, votes, fences, validity, "
+        f"connection bookkeeping). celery_redlock's Redlock takes "
+        f"{five['p50_us'] - floor5['p50_us']:.0f} µs above the 5-master floor; Lock takes "
+        f"{single['p50_us'] - floor1['p50_us']:.0f} µs above the 1-master floor.",
+        f"- CPU per cycle: Lock {single['client_cpu_us']:.0f} µs client + "
+        f"{single['server_cpu_us']:.0f} µs server; 5-master Redlock "
+        f"{five['client_cpu_us']:.0f} µs client + {five['server_cpu_us']:.0f} µs over the "
+        f"masters; the 5-master floor {floor5['client_cpu_us']:.0f} + "
+        f"{floor5['server_cpu_us']:.0f} µs. Spread perfectly over {CORES} cores, a cycle "
+        f"cannot take less than that CPU allows: {cpu_bound_us(floor5):.0f} µs for the floor "
+        f"({cpu_bound_us(floor5) / single['p50_us']:.2f}x Lock's p50), "
+        f"{cpu_bound_us(five):.0f} µs for Redlock "
+        f"({cpu_bound_us(five) / single['p50_us']:.2f}x). {verdict}",
+        f"- Of the Redlock client's CPU, {five['client_sys_us']:.0f} µs is the kernel's "
+        f"(loopback TCP: each write also runs the receiving side and wakes a server), "
+        f"against {floor5['client_sys_us']:.0f} µs for the floor; its user-space Python is "
+        f"{five['client_user_us']:.0f} µs against the floor's {floor5['client_user_us']:.0f}: "
+        "per master and operation, the checks the floor leaves out (node timeouts, "
+        "late replies, reconnects, script caches, the vote, fences and validity).",
+        "- On separate hosts (what Redlock is for) each master has its own CPU, the "
+        "servers' work overlaps instead of queueing, and the cost that remains is the "
+        "client's: one write and one read per master.",
+        "",
+    ]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -223,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"private redis-servers on 127.0.0.1:{', '.join(map(str, ports))}")
         clients = [redis.Redis(host="127.0.0.1", port=port) for port in ports]
         context = machine_context(clients[0])
-        rows = run(clients, args)
+        rows = run(clients, ports, args)
         for client in clients:
             client.close()
     markdown = render(rows, context, args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .decorator import singleton
 from .exceptions import (
     ConfigurationError,
+    DuplicateTask,
     LockError,
     LockKeyError,
     LockNotAcquired,
@@ -28,6 +29,7 @@ from .task import SingletonTask
 __all__ = [
     "SKIPPED",
     "ConfigurationError",
+    "DuplicateTask",
     "Lease",
     "Lock",
     "LockError",

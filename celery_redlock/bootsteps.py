@@ -15,10 +15,10 @@ from typing import Any
 from celery import bootsteps
 from redis.exceptions import RedisError
 
-from .conf import check_settings, lock_url, parse_queues, redact_url
+from .conf import check_settings, parse_queues
 from .exceptions import ConfigurationError
-from .guard import client_for
 from .queues import QueueLocks, lock_plain_tasks, register
+from .store import redact_url, store_for
 
 __all__ = ["RedlockStep", "check_lock_store", "prepare_worker"]
 
@@ -65,36 +65,66 @@ def prepare_worker(app: Any, cli_queues: str | None, consumed: Mapping[str, Any]
 def check_lock_store(app: Any) -> str:
     """Ping the lock store and warn about settings that endanger locks; return a summary line.
 
-    Never raises: a lock store that is down at worker start is reported, and
-    each task's ``on_redis_error`` policy handles it when it runs.
+    Every master is checked: each one of a Redlock or a Redis Cluster, the
+    current master of a Sentinel group. Never raises: a lock store that is down
+    at worker start is reported, and each task's ``on_redis_error`` policy
+    handles it when it runs.
     """
-    address = redact_url(lock_url(app.conf))
-    client = client_for(app)
+    store = store_for(app)
+    address = store.spec.describe()
     try:
-        client.ping()
-        version = client.info("server").get("redis_version", "?")
+        masters = store.masters()
     except RedisError as exc:
         logger.error("celery-redlock: lock store %s is unreachable: %r", address, exc)
         return f"lock store {address} is unreachable: {exc!r}"
-    summary = f"lock store {address} (Redis {version}) answers"
+    versions, problems = [], []
+    for client in masters:
+        name = _name(client)
+        try:
+            client.ping()
+            versions.append(client.info("server").get("redis_version", "?"))
+        except RedisError as exc:
+            logger.error("celery-redlock: lock store master %s is unreachable: %r", name, exc)
+            problems.append(f"{name} is unreachable: {exc!r}")
+            continue
+        policy = _eviction_policy(client)
+        if policy is not None:
+            logger.warning(
+                "celery-redlock: lock store master %s has maxmemory-policy %s: under memory "
+                "pressure it may evict lock keys and let duplicates run; use noeviction",
+                name,
+                policy,
+            )
+            problems.append(f"WARNING: {name} has maxmemory-policy {policy}, which can evict locks")
+    if not versions:
+        return f"lock store {address} is unreachable: {'; '.join(problems)}"
+    summary = f"lock store {address} (Redis {', '.join(sorted(set(versions)))}) answers"
+    if problems:
+        summary += "; " + "; ".join(problems)
+    logger.info("celery-redlock: %s", summary)
+    return summary
+
+
+def _name(client: Any) -> str:
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    if "host" in kwargs:
+        return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+    return redact_url(kwargs.get("path", repr(client)))
+
+
+def _eviction_policy(client: Any) -> str | None:
+    """Return the eviction policy of ``client``'s server if it may drop lock keys."""
     try:
         config = client.config_get("maxmemory*")
     except RedisError:  # CONFIG is often disabled on managed Redis
-        config = {}
+        return None
     policy = config.get("maxmemory-policy") or config.get(b"maxmemory-policy")
     limit = config.get("maxmemory") or config.get(b"maxmemory")
     if isinstance(policy, bytes):
         policy = policy.decode()
     if policy and policy not in _SAFE_POLICIES and str(limit or "0") != "0":
-        logger.warning(
-            "celery-redlock: lock store %s has maxmemory-policy %s: under memory pressure "
-            "it may evict lock keys and let duplicates run; use noeviction",
-            address,
-            policy,
-        )
-        summary += f"; WARNING: maxmemory-policy {policy} can evict locks"
-    logger.info("celery-redlock: %s", summary)
-    return summary
+        return str(policy)
+    return None
 
 
 class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints

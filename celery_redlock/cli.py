@@ -17,7 +17,7 @@ from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
 from .bootsteps import check_lock_store
-from .conf import check_settings, lock_url, redact_url
+from .conf import check_settings, lock_url
 from .exceptions import ConfigurationError
 from .install import WORKER_OPTION_NAME, install, worker_option
 
@@ -40,7 +40,7 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"lock store: {redact_url(lock_url(app.conf))}")
+    click.echo(f"lock store: {lock_url(app.conf)}")
     click.echo(f"locked queues: {', '.join(sorted(queues)) or '(none)'}")
     click.echo(check_lock_store(app))
 

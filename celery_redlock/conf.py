@@ -11,17 +11,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from .exceptions import ConfigurationError
 from .keys import KeySpec
+from .store import parse_store, redact_url
 
 __all__ = [
     "CONFLICT_POLICIES",
+    "DUPLICATE_POLICIES",
+    "MODES",
     "OPTIONS",
     "REDIS_ERROR_POLICIES",
     "SETTINGS",
     "LockOptions",
+    "check_mode_store",
     "check_settings",
     "lock_url",
     "parse_queues",
@@ -34,8 +37,10 @@ __all__ = [
 CONFLICT_POLICIES = ("skip", "requeue", "raise")
 #: What a task does when the lock's Redis cannot be reached.
 REDIS_ERROR_POLICIES = ("requeue", "run", "raise")
-
-_REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: When the lock is held: the lock windows (see docs/modes.md).
+MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
+#: What ``apply_async`` does when a copy of the call is already enqueued.
+DUPLICATE_POLICIES = ("return_existing", "raise")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,9 @@ class LockOptions:
         max_requeues: Most requeues of one task before it fails; not charged
             against the task's ``max_retries``.
         key_prefix: Prefix of every lock key.
+        mode: When the lock is held: one of :data:`MODES`.
+        on_duplicate: ``"return_existing"`` or ``"raise"`` (enqueue modes only).
+        enqueue_ttl: Seconds an enqueue lock lasts beyond the call's countdown/eta.
     """
 
     ttl: float = 10.0
@@ -64,6 +72,9 @@ class LockOptions:
     requeue_jitter: float = 0.5
     max_requeues: int = 100
     key_prefix: str = "redlock"
+    mode: str = "while_executing"
+    on_duplicate: str = "return_existing"
+    enqueue_ttl: float = 600.0
 
 
 Validator = Callable[[str, Any], Any]
@@ -125,11 +136,14 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
     "requeue_jitter": (_fraction, True),
     "max_requeues": (_count, True),
     "key_prefix": (_prefix, True),
+    "mode": (_choice(MODES), True),
+    "on_duplicate": (_choice(DUPLICATE_POLICIES), True),
+    "enqueue_ttl": (_seconds, True),
 }
 
 #: Every app-wide setting this package reads.
 SETTINGS = frozenset(
-    {"redlock_url", "redlock_queues"}
+    {"redlock_url", "redlock_queues", "redlock_transport_options"}
     | {f"redlock_{name}" for name, (_, app_wide) in OPTIONS.items() if app_wide}
 )
 
@@ -167,6 +181,14 @@ def resolve(
             "redlock_requeue_max_delay",
             options.requeue_max_delay,
             f"is below requeue_delay={options.requeue_delay}",
+        )
+    if queue is not None and queue_options.get("mode", MODES[0]) != MODES[0]:
+        # Plain tasks never pass through SingletonTask.apply_async, so a queue
+        # cannot take an enqueue lock for them.
+        raise ConfigurationError(
+            f"redlock_queues[{queue!r}].mode",
+            queue_options["mode"],
+            "a queue can only lock while_executing; set lock_mode on the task",
         )
     return options
 
@@ -242,44 +264,35 @@ def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     queues = parse_queues(conf.get("redlock_queues"))
     for name, options in queues.items():
         resolve(_QueueEntry(name), conf, name, options)
-    resolve(_QueueEntry("*"), conf)
+    check_mode_store("redlock_mode", resolve(_QueueEntry("*"), conf), conf)
     return queues
 
 
-def lock_url(conf: Mapping[str, Any]) -> str:
-    """Return the Redis URL of the lock store: ``redlock_url``, else a Redis broker URL.
+def check_mode_store(setting: str, options: LockOptions, conf: Mapping[str, Any]) -> None:
+    """Refuse an enqueue mode on a Redlock store (a list of masters).
+
+    Enqueue locks are handed over to execution locks by single-server scripts;
+    across several independent masters that handover would need a quorum of
+    its own, which is not built.
 
     Raises:
-        ConfigurationError: If neither gives a Redis URL.
+        ConfigurationError: Naming ``setting`` (where the mode came from).
     """
-    url = conf.get("redlock_url")
-    if url is not None:
-        if not isinstance(url, str) or urlsplit(url).scheme not in _REDIS_SCHEMES:
-            raise ConfigurationError(
-                "redlock_url", url, "must be a redis://, rediss:// or unix:// URL"
-            )
-        return url
-    broker = conf.get("broker_url")
-    if isinstance(broker, (list, tuple)):
-        broker = broker[0] if broker else None
-    if isinstance(broker, str):
-        # Failover lists are written "url1;url2"; the first is the primary.
-        broker = broker.split(";")[0].strip()
-        if urlsplit(broker).scheme in _REDIS_SCHEMES:
-            return broker
-    raise ConfigurationError(
-        "redlock_url",
-        None,
-        f"is not set and the broker URL ({redact_url(broker)}) is not a Redis URL; "
-        "set redlock_url = 'redis://host:6379/0'",
-    )
+    if options.mode != "while_executing" and parse_store(conf).topology == "redlock":
+        raise ConfigurationError(
+            setting,
+            options.mode,
+            "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
+            "several masters (Redlock), where only 'while_executing' is supported",
+        )
 
 
-def redact_url(url: Any) -> str:
-    """Return ``url`` with its password masked, for messages and logs."""
-    if not isinstance(url, str):
-        return repr(url)
-    parts = urlsplit(url)
-    if parts.password:
-        return url.replace(f":{parts.password}@", ":***@")
-    return url
+def lock_url(conf: Mapping[str, Any]) -> str:
+    """Check the lock store setting (see :mod:`celery_redlock.store`); return its description.
+
+    The description has no password: it is meant for messages and logs.
+
+    Raises:
+        ConfigurationError: If neither ``redlock_url`` nor the broker gives a lock store.
+    """
+    return parse_store(conf).describe()

@@ -14,6 +14,7 @@ from redis import exceptions as redis_exceptions
 
 __all__ = [
     "ConfigurationError",
+    "DuplicateTask",
     "LockError",
     "LockKeyError",
     "LockNotAcquired",
@@ -89,6 +90,30 @@ class LockNotAcquired(LockError):
         super().__init__(message, lock_name=lock_name)
         self.holder = holder
         self.holder_ttl = holder_ttl
+
+
+class DuplicateTask(LockNotAcquired):
+    """``apply_async`` found a copy of the same call already enqueued (or running).
+
+    Raised under ``lock_on_duplicate="raise"``, and for a call carrying canvas
+    links (a chain, callbacks, a group or chord) whatever that option says:
+    folding such a call into the existing copy would drop what follows it.
+
+    Attributes:
+        task_id: The id of the copy holding the reservation, when it is known.
+        holder_ttl: Seconds its reservation has left, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        lock_name: str | None = None,
+        *,
+        task_id: str | None = None,
+        holder_ttl: float | None = None,
+    ) -> None:
+        super().__init__(message, lock_name=lock_name, holder=task_id, holder_ttl=holder_ttl)
+        self.task_id = task_id
 
 
 class LockNotOwned(LockError, redis_exceptions.LockNotOwnedError):

@@ -14,19 +14,19 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
-import redis
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 from celery.states import READY_STATES
 from redis.exceptions import RedisError
 
 from . import signals
-from .conf import LockOptions, lock_url, resolve
+from .conf import LockOptions, resolve
 from .context import _current, current_lock
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Holder
 from .keys import KeyBuilder
 from .lock import Lease, Lock
+from .store import LockStore, store_for
 
 __all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for"]
 
@@ -50,13 +50,13 @@ class TaskGuard:
     Args:
         task: The task (a bound ``celery.Task`` instance).
         options: Its resolved lock options.
-        client: The Redis client of the lock store.
+        store: The lock store (one Redis, Redlock masters, Cluster or Sentinel).
     """
 
-    def __init__(self, task: Any, options: LockOptions, client: Any) -> None:
+    def __init__(self, task: Any, options: LockOptions, store: LockStore) -> None:
         self.task = task
         self.options = options
-        self.client = client
+        self.store = store
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
@@ -81,20 +81,10 @@ class TaskGuard:
         task_id = request.id
         key = self.keys.key_for(args, kwargs)
         label = f"task {task.name}[{task_id}]"
-        lock = Lock(
-            self.client,
-            key,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            # Only the id: the lease outlives the run in the watchdog's heap,
-            # and the request would keep the call's arguments alive with it.
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
-        )
         holder = Holder.new(request.id, request.hostname)
         try:
+            # Inside the try: a Cluster client connects when first built.
+            lock = self._new_lock(key, task_id, label)
             acquired = lock.acquire(token=holder.encode())
         except RedisError as exc:
             return self._redis_failed(key, exc, body)
@@ -115,6 +105,25 @@ class TaskGuard:
         finally:
             _current.reset(context)
             self._release(lock, lease)
+
+    def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
+        """Build the lock one run takes (enqueue modes take it differently).
+
+        Raises:
+            redis.exceptions.RedisError: When the store's client cannot be built
+                (a Redis Cluster connects to learn its slots).
+        """
+        return self.store.lock(
+            key,
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            # Only the id: the lease outlives the run in the watchdog's heap,
+            # and the request would keep the call's arguments alive with it.
+            on_lost=lambda lease: self._report_lost(lease, task_id),
+            label=label,
+        )
 
     def _release(self, lock: Lock, lease: Lease) -> None:
         # Runs in the finally of the task body: before Celery stores the result,
@@ -331,19 +340,6 @@ def _describe(holder: Holder | None) -> str:
 
 
 _guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
-_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def client_for(app: Any) -> Any:
-    """Return this process's Redis client of the lock store of ``app``."""
-    url = lock_url(app.conf)
-    cached = _clients.get(app)
-    if cached is None or cached[0] != url:
-        # Timeouts bound how long a run waits on a broken Redis before its
-        # on_redis_error policy takes over; the URL's own query wins.
-        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-        cached = _clients[app] = (url, client)
-    return cached[1]
 
 
 def guard_for(
@@ -362,5 +358,10 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        guard = per_queue[queue] = TaskGuard(task, options, client_for(task.app))
+        factory: type[TaskGuard] = TaskGuard
+        if options.mode != "while_executing":
+            from .enqueue import EnqueueGuard  # enqueue.py builds on this module
+
+            factory = EnqueueGuard
+        guard = per_queue[queue] = factory(task, options, store_for(task.app))
     return guard

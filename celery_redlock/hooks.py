@@ -21,7 +21,6 @@ from redis.exceptions import RedisError
 from .guard import guard_for
 from .holder import Holder
 from .queues import GUARDED_ATTRIBUTE, QueueLocks, registered
-from .scripts import RELEASE_HELD_BY
 
 __all__ = ["connect"]
 
@@ -33,6 +32,31 @@ def connect() -> None:
     signals.task_revoked.connect(
         _release_killed, weak=False, dispatch_uid="celery-redlock-release-killed"
     )
+    signals.task_revoked.connect(
+        _release_reservation, weak=False, dispatch_uid="celery-redlock-release-reservation"
+    )
+
+
+def _release_reservation(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    # A revoked or expired message discarded before it ran: its enqueue lock
+    # would otherwise keep every later call out until it expires.
+    if terminated or request is None or sender is None:
+        return
+    if not getattr(sender, GUARDED_ATTRIBUTE, False):
+        return
+    from .enqueue import release_revoked
+
+    try:
+        release_revoked(sender, guard_for(sender), request)
+    except Exception as exc:  # a handler must not take the worker down
+        logger.warning(
+            "task %s[%s]: could not release the enqueue lock of a revoked task: %r",
+            sender.name,
+            request.id,
+            exc,
+        )
 
 
 def _release_killed(
@@ -52,9 +76,7 @@ def _release_killed(
     guard = guard_for(task, queue, locks.locked[queue] if locks and queue else None)
     try:
         key = guard.keys.key_for(request.args or (), request.kwargs or {})
-        released = RELEASE_HELD_BY(
-            guard.client, (key,), (Holder.fragment(request.id, request.hostname),)
-        )
+        released = guard.store.release_held_by(key, Holder.fragment(request.id, request.hostname))
     except Exception as exc:  # a handler must not take the worker down
         level = logging.WARNING if isinstance(exc, RedisError) else logging.ERROR
         logger.log(

@@ -1,47 +1,61 @@
-"""The majority rule of Redlock, shared by the thread and the asyncio versions.
+"""Majority arithmetic of Redlock: votes, the masters of one lock, and node timeouts.
 
-Both versions send one request to every master at once and stop waiting as
-soon as the vote is decided: won once a majority agreed, lost once so many
-refused or failed that no majority is left. This module holds what does not
-depend on how the requests travel: counting the votes (:class:`Votes`), naming
-a master, reading the acquire script's "held by" answers, and describing a lost
-vote as a :class:`~celery_redlock.exceptions.QuorumNotAchieved` that carries
-each master's reason.
+Used by :mod:`celery_redlock.redlock`; the asyncio Redlock shares :class:`Votes`,
+:func:`lost_vote` and the node timeout rules. A majority is more than half of the
+masters; a vote is decided as soon as a majority agreed, or as soon as too few
+masters are left to make one.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .exceptions import LockError, LockNotAcquired, QuorumNotAchieved
+from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
+from .fanout import NOT_ASKED, PENDING, Round, Settle
+from .nodes import Node, Request
 
 __all__ = [
-    "NOT_ASKED",
-    "PENDING",
-    "Holder",
+    "NODE_TIMEOUT_MAX",
+    "NODE_TIMEOUT_MIN",
+    "Masters",
     "Votes",
-    "as_bytes",
-    "holder_of",
+    "check_node_timeout",
+    "default_node_timeout",
     "lost_vote",
-    "most_common_holder",
-    "node_address",
-    "refusal_of_acquire",
-    "text",
 ]
 
-#: A holder seen on a master: its value and the seconds it has left there.
-Holder = tuple[Union[str, None], Union[float, None]]
-#: A refusal: what a master's reply says against the vote, ``None`` if it agreed.
-Refusal = Callable[[Any], Union[LockError, None]]
+#: Least default node timeout in seconds (the default is a tenth of the TTL).
+NODE_TIMEOUT_MIN = 0.05
+#: Greatest default node timeout in seconds.
+NODE_TIMEOUT_MAX = 1.0
 
-#: The outcome of a master that was sent the request but has not answered.
-PENDING = object()
-#: The outcome of a master the request was not sent to.
-NOT_ASKED = object()
+
+def default_node_timeout(ttl: float | None) -> float:
+    """A tenth of the TTL, within 50 ms and 1 s, and never more than half the TTL."""
+    if ttl is None:
+        return NODE_TIMEOUT_MAX
+    return min(max(ttl / 10, NODE_TIMEOUT_MIN), NODE_TIMEOUT_MAX, ttl / 2)
+
+
+def check_node_timeout(node_timeout: object, ttl: float | None) -> float:
+    """Validate a Redlock's ``node_timeout`` in seconds (``None``: the default for ``ttl``).
+
+    Raises:
+        ConfigurationError: If it is not a positive number below the TTL.
+    """
+    if node_timeout is None:
+        return default_node_timeout(ttl)
+    if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
+        raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
+    if node_timeout <= 0 or (ttl is not None and node_timeout >= ttl):
+        raise ConfigurationError(
+            "node_timeout", node_timeout, "must be positive and shorter than the timeout"
+        )
+    return float(node_timeout)
 
 
 class Votes:
@@ -66,8 +80,8 @@ class Votes:
         """Enough masters answered no that no majority can say yes, whatever the rest do."""
         return self.refused > self.size - self.needed
 
-    def settle(self, agrees: Callable[[int, Any], bool]) -> Callable[[int, Any], bool]:
-        """A callback that counts master ``i``'s reply or error; ``True`` once decided."""
+    def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
+        """A ``settle`` callback for :meth:`Round.collect` that counts votes."""
 
         def count(i: int, outcome: Any) -> bool:
             if isinstance(outcome, BaseException):
@@ -82,51 +96,67 @@ class Votes:
         return count
 
 
-def node_address(kwargs: Mapping[str, Any]) -> str:
-    """A master's name in errors: ``host:port/db``, or ``unix://path?db=N``."""
-    db = kwargs.get("db", 0)
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}?db={db}"
-    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+class Masters:
+    """The masters of one Redlock, asked all at once."""
 
+    __slots__ = ("nodes", "quorum", "timeout")
 
-def text(value: Any) -> str | None:
-    """A reply as text (bytes decoded as UTF-8), ``None`` kept."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return None if value is None else str(value)
+    def __init__(self, nodes: Sequence[Node], timeout: float) -> None:
+        self.nodes = tuple(nodes)
+        self.timeout = timeout
+        self.quorum = len(self.nodes) // 2 + 1
 
+    @contextlib.contextmanager
+    def ask(
+        self, request: Request | Sequence[Request | None], claims: dict[int, Any] | None = None
+    ) -> Iterator[Round]:
+        """Send ``request`` (or one request per master) to every master at once.
 
-def as_bytes(value: Any) -> bytes | None:
-    """A reply as bytes, for comparing with a token whatever the client decodes."""
-    return value.encode() if isinstance(value, str) else value
+        Leaving the block parks the connections whose replies were not awaited,
+        so that they are read before the connection is reused.
+        """
+        requests = [request] * len(self.nodes) if isinstance(request, Request) else request
+        round_ = Round(self.nodes, requests, claims)
+        try:
+            yield round_
+        finally:
+            round_.finish()
 
+    def vote(
+        self,
+        request: Request,
+        agrees: Callable[[int, Any], bool],
+        claims: dict[int, Any] | None = None,
+    ) -> tuple[Round, Votes]:
+        """Send ``request`` to every master and count until a majority is won or lost."""
+        votes = Votes(len(self.nodes))
+        with self.ask(request, claims) as round_:
+            round_.collect(votes.settle(agrees))
+        return round_, votes
 
-def holder_of(reply: Sequence[Any]) -> Holder:
-    """The holder named by the acquire script's ``{PTTL, value}`` answer."""
-    return text(reply[1]), reply[0] / 1000 if reply[0] >= 0 else None
+    def fire(self, request: Request) -> None:
+        """Send ``request`` to every master without waiting for the answers."""
+        Round(self.nodes, [request] * len(self.nodes)).finish()
 
-
-def most_common_holder(holders: Sequence[Holder]) -> Holder:
-    """The value held on most masters, with the longest time it has left on them."""
-    value = Counter(holder for holder, _ in holders).most_common(1)[0][0]
-    ttls = [ttl for holder, ttl in holders if holder == value and ttl is not None]
-    return value, max(ttls) if ttls else None
-
-
-def refusal_of_acquire(lock_name: str, reply: Any) -> LockError | None:
-    """Why a master refused an acquire: who holds the lock there (``None`` if it agreed)."""
-    if isinstance(reply, list):
-        holder, ttl = holder_of(reply)
-        return LockNotAcquired(
-            f"held by {holder!r}" + (f" for {ttl:g} s more" if ttl is not None else ""),
-            lock_name=lock_name,
-            holder=holder,
-            holder_ttl=ttl,
+    def failure(
+        self,
+        message: str,
+        lock_name: str,
+        round_: Round,
+        votes: Votes,
+        refusal: Callable[[Any], LockError | None],
+    ) -> QuorumNotAchieved:
+        """Describe a lost vote: what each master that did not agree answered."""
+        return lost_vote(
+            message,
+            lock_name,
+            [node.name for node in self.nodes],
+            round_.outcomes,
+            votes,
+            refusal,
+            self.timeout,
+            round_.expired,
         )
-    if reply is None:  # a plain SET NX refused
-        return LockNotAcquired("held by another token", lock_name=lock_name)
-    return None
 
 
 def lost_vote(
@@ -135,7 +165,7 @@ def lost_vote(
     names: Sequence[str],
     outcomes: Sequence[Any],
     votes: Votes,
-    refusal: Refusal,
+    refusal: Callable[[Any], LockError | None],
     node_timeout: float,
     expired: bool,
 ) -> QuorumNotAchieved:
@@ -145,12 +175,12 @@ def lost_vote(
         message: What failed, e.g. ``"Lock x not acquired"``.
         lock_name: The lock's key.
         names: The masters' names, in the order of ``outcomes``.
-        outcomes: Each master's reply, error, :data:`PENDING` or :data:`NOT_ASKED`.
+        outcomes: Each master's reply, error, ``PENDING`` or ``NOT_ASKED``.
         votes: The count.
         refusal: Turns a reply into the reason it did not agree, or ``None``.
-        node_timeout: The node timeout in seconds, for masters still pending.
-        expired: Whether the wait ended at the node timeout (rather than at a
-            lost vote), which is what a pending master's error then says.
+        node_timeout: The node timeout in seconds, named for masters still pending.
+        expired: Whether the wait ended at the node timeout rather than at a
+            lost vote, which is what a pending master's error then says.
     """
     errors: dict[str, BaseException] = {}
     for name, outcome in zip(names, outcomes):

@@ -28,7 +28,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from .lock import Clock, Lease
-from .redlock import bounded_client
+from .nodes import bounded_client
 from .scripts import RENEW
 
 __all__ = ["Watchdog", "default_watchdog"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+__all__ = ["lock_acquired", "lock_contended", "lock_lapsed", "lock_lost", "lock_released"]
 
 #: The task took its lock. Also sends ``fence`` and ``ttl``.
 lock_acquired = Signal(name="lock_acquired", providing_args={"task_id", "key", "fence", "ttl"})
@@ -28,3 +28,8 @@ lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "
 #: The lock was lost while the task ran (expired, stolen, or Redis failed for
 #: longer than the TTL). Sent from the watchdog thread; ``reason`` says why.
 lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key", "fence", "reason"})
+
+#: A task's enqueue lock expired before a worker started the task (a queue
+#: backlog longer than ``lock_enqueue_ttl``). The task still runs; ``key`` is
+#: the reservation key and ``mode`` the task's lock mode.
+lock_lapsed = Signal(name="lock_lapsed", providing_args={"task_id", "key", "mode"})

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from .conf import lock_url, resolve, validate_settings
+from .conf import check_mode_store, lock_url, resolve, validate_settings
 from .guard import guard_for
 from .keys import KeyBuilder, KeySpec
 from .queues import locked_queue
@@ -32,6 +32,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_requeue_jitter: Share of each requeue delay drawn at random.
         lock_max_requeues: Most requeues before the task fails.
         lock_key_prefix: Prefix of the lock keys.
+        lock_mode: When the lock is held: ``"while_executing"``,
+            ``"until_executing"``, ``"until_executed"`` or
+            ``"until_and_while_executing"`` (see docs/modes.md).
+        lock_on_duplicate: In an enqueue mode, what ``apply_async`` does when a
+            copy is already enqueued: ``"return_existing"`` or ``"raise"``.
+        lock_enqueue_ttl: Seconds an enqueue lock lasts beyond the countdown/eta.
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -43,6 +49,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_requeue_jitter: ClassVar[float | None] = None
     lock_max_requeues: ClassVar[int | None] = None
     lock_key_prefix: ClassVar[str | None] = None
+    lock_mode: ClassVar[str | None] = None
+    lock_on_duplicate: ClassVar[str | None] = None
+    lock_enqueue_ttl: ClassVar[float | None] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True
@@ -68,6 +77,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         validate_settings(conf)
         options = resolve(cls, conf)
         lock_url(conf)
+        mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"
+        check_mode_store(mode_from, options, conf)
         KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -79,6 +90,43 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         found = locked_queue(self)
         guard = guard_for(self) if found is None else guard_for(self, *found)
         return guard.run(args, kwargs, body)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the task; in an enqueue mode, reserve its key first.
+
+        ``while_executing`` publishes exactly as Celery does, with no Redis
+        command. The enqueue modes are described in
+        :func:`celery_redlock.enqueue.apply_async`.
+
+        Raises:
+            DuplicateTask: A copy is already enqueued and ``lock_on_duplicate``
+                is ``"raise"``, or the call belongs to a canvas.
+            LockError: The lock store is unreachable and ``lock_on_redis_error``
+                is not ``"run"``.
+        """
+        guard = guard_for(self)
+        if guard.options.mode == "while_executing":
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        from . import enqueue
+
+        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+
+        def publish(args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> Any:
+            return super(SingletonTask, self).apply_async(args, kwargs, task_id, **options)
+
+        return enqueue.apply_async(guard, publish, args, kwargs, task_id, options)
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """Return the lock key a call with these arguments would take.

@@ -45,20 +45,17 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Callable
 
 from celery_redlock.exceptions import ConfigurationError, LockError, LockNotOwned, QuorumNotAchieved
+from celery_redlock.fanout import NOT_ASKED, PENDING
 from celery_redlock.lock import Lease, Number
-from celery_redlock.quorum import (
-    NOT_ASKED,
-    PENDING,
+from celery_redlock.nodes import node_address
+from celery_redlock.quorum import Votes, check_node_timeout, lost_vote
+from celery_redlock.replies import (
     Holder,
-    Votes,
     as_bytes,
     holder_of,
-    lost_vote,
     most_common_holder,
-    node_address,
     refusal_of_acquire,
 )
-from celery_redlock.redlock import check_node_timeout
 from celery_redlock.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
 from .lock import Lock, TaskState
@@ -90,9 +87,13 @@ def _queue_of(client: Any) -> dict[str, asyncio.Task[Any]]:
     return queue
 
 
-def _forget(queue: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:
+def _finished(queue: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:
     if queue.get(key) is task:
         del queue[key]
+    # A request nobody waited for may fail later (its master died): its error
+    # was either counted or does not matter, and asyncio must not log it as lost.
+    if not task.cancelled():
+        task.exception()
 
 
 def _script(script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
@@ -135,7 +136,7 @@ class _Masters:
                 queue = self._queues[i]
             task = detach(self._one(client, request, queue.get(self.name)))
             queue[self.name] = task
-            task.add_done_callback(functools.partial(_forget, queue, self.name))
+            task.add_done_callback(functools.partial(_finished, queue, self.name))
             tasks[i] = task
         return _Round(len(self.clients), tasks)
 

@@ -38,6 +38,7 @@ import redis
 from celery import Celery, Task, bootsteps
 
 from celery_redlock import SingletonTask, current_lock
+from tests.celery_apps import modes
 from tests.celery_harness import HistoryRecorder, record_execution
 
 __all__ = ["GATE_TIMEOUT", "create_app", "environment"]
@@ -107,6 +108,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     _register_tasks(app)
     _register_lifecycle_tasks(app)
     _register_plain_tasks(app)
+    modes.register(app)
     app.steps["consumer"].add(WakeUp)
     return app
 

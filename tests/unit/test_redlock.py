@@ -17,8 +17,7 @@ from celery_redlock import (
     Redlock,
     Watchdog,
 )
-from celery_redlock.quorum import Votes
-from celery_redlock.redlock import default_node_timeout
+from celery_redlock.quorum import Votes, default_node_timeout
 
 OFFLINE = ["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"]
 

@@ -1,0 +1,446 @@
+"""Enqueue locks: the lock windows that start in ``apply_async`` (see docs/modes.md).
+
+``until_executing``, ``until_executed`` and ``until_and_while_executing``
+reserve a call's key before its message is published. The reservation's value
+is a :class:`~celery_redlock.holder.Holder` naming the new task id; the message
+carries the same value in a header, so the worker can tell its own
+reservation from a duplicate's. This module holds both halves:
+
+* the publishing side, :func:`apply_async`: one ``RESERVE`` round trip, then
+  publish; a duplicate gets the holder's ``AsyncResult`` or
+  :class:`~celery_redlock.exceptions.DuplicateTask`; a failed publish releases
+  the reservation; a task republishing itself (retry, requeue) keeps its own;
+* the worker side, :class:`EnqueueGuard`: the start of a run drops the
+  reservation (``until_executing``) or turns it into the execution lock in one
+  Lua call (the other two), and reports a reservation that lapsed.
+
+``while_executing`` never comes here: it costs no extra command.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, NoReturn, TypeVar
+
+from celery.utils import uuid
+from redis.exceptions import RedisError
+
+from . import signals
+from .exceptions import DuplicateTask, LockError
+from .guard import TaskGuard, _header, current_lock
+from .holder import Holder
+from .lock import Lease, Lock
+from .scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+
+__all__ = [
+    "CANVAS_OPTIONS",
+    "RESERVATION_HEADER",
+    "EnqueueGuard",
+    "HandoverLock",
+    "apply_async",
+    "publish_delay",
+    "release_revoked",
+    "reservation_key",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Message header carrying the value of the message's reservation.
+RESERVATION_HEADER = "x_redlock_reservation"
+
+#: ``apply_async`` options that tie a call to a canvas. Such a call is never
+#: folded into an existing copy: the copy would not carry its continuation.
+CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
+
+UNTIL_EXECUTING = "until_executing"
+UNTIL_EXECUTED = "until_executed"
+
+#: Publishes one message: ``(args, kwargs, task_id, options) -> AsyncResult``.
+Publish = Callable[[Any, Any, str, "dict[str, Any]"], Any]
+
+# Leases of until_executed runs whose lock was handed back to a queued copy of
+# the same task (a retry): the run must neither renew nor release it.
+_handed_over: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def reservation_key(mode: str, key: str) -> str:
+    """Return the key a call's enqueue lock lives under.
+
+    ``until_executed`` reserves the lock key itself: the reservation becomes
+    the execution lock. The other modes reserve a sibling in the same hash
+    slot, so a copy can be queued while another runs.
+    """
+    return key if mode == UNTIL_EXECUTED else f"{key}:queued"
+
+
+def publish_delay(options: Mapping[str, Any], now: float | None = None) -> float:
+    """Seconds until a message published with ``options`` may run (its countdown or eta).
+
+    A naive ``eta`` is read both as UTC and as local time and the later
+    reading wins: a reservation that lasts a little long is harmless, one that
+    lapses before the task runs is not.
+    """
+    now = time.time() if now is None else now
+    countdown = options.get("countdown")
+    if countdown is not None:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if eta is None:
+        return 0.0
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if not isinstance(eta, datetime):
+        return 0.0
+    if eta.tzinfo is not None:
+        return max(0.0, eta.timestamp() - now)
+    readings = (eta.replace(tzinfo=timezone.utc).timestamp(), eta.timestamp())
+    return max(0.0, max(readings) - now)
+
+
+def is_canvas(options: Mapping[str, Any]) -> bool:
+    """``True`` if the call carries a chain, callbacks, or group or chord membership."""
+    return any(options.get(name) for name in CANVAS_OPTIONS)
+
+
+def _decode(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _with_reservation(options: dict[str, Any], value: str | None) -> dict[str, Any]:
+    # headers= replaces the message's custom headers; a republished request
+    # brings its old ones, whose reservation value is stale by now.
+    headers = dict(options.get("headers") or {})
+    headers.pop(RESERVATION_HEADER, None)
+    if value is not None:
+        headers[RESERVATION_HEADER] = value
+    return {**options, "headers": headers}
+
+
+# -- publishing side -----------------------------------------------------------------
+
+
+def apply_async(
+    guard: TaskGuard,
+    publish: Publish,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    task_id: str | None,
+    options: dict[str, Any],
+) -> Any:
+    """Reserve the call's key, then publish it; or return or refuse the copy holding it.
+
+    Args:
+        guard: The task's guard (its options, keys and lock store).
+        publish: Publishes one message (Celery's own ``apply_async``).
+        args: The call's positional arguments.
+        kwargs: The call's keyword arguments.
+        task_id: The id the caller chose, if any.
+        options: The other ``apply_async`` options.
+
+    Returns:
+        The new task's ``AsyncResult``, or, under ``on_duplicate="return_existing"``,
+        the one of the copy that holds the reservation.
+
+    Raises:
+        DuplicateTask: A copy holds the reservation and ``on_duplicate="raise"``,
+            or the call belongs to a canvas.
+        LockError: The lock store is unreachable and ``on_redis_error`` is not
+            ``"run"``; nothing was published.
+        LockKeyError: The arguments cannot make a key.
+    """
+    task = guard.task
+    opts = guard.options
+    if task.app.conf.task_always_eager:
+        return publish(args, kwargs, task_id or uuid(), options)
+    task_id = task_id or uuid()
+    key = guard.keys.key_for(args or (), kwargs or {})
+    rkey = reservation_key(opts.mode, key)
+    request = task.request
+    # A task republishing itself (self.retry, autoretry, the guard's requeue)
+    # is the same task continuing: it keeps or renews its own reservation and
+    # is never folded into another copy, or it would be lost.
+    own = not request.called_directly and request.id == task_id
+    lease = current_lock() if own else None
+    handing = lease is not None and lease.name == rkey and not lease.released
+    replace: Any = ""
+    if handing:
+        assert lease is not None
+        replace = lease.token
+    elif own:
+        replace = _header(request, RESERVATION_HEADER) or ""
+    value = Holder.new(task_id).encode()
+    ttl_ms = max(1, int((publish_delay(options) + opts.enqueue_ttl) * 1000))
+    label = f"task {task.name}[{task_id}]"
+    lent = _Loan(lease) if handing and lease is not None else None
+    try:
+        reply = RESERVE(guard.store.client, (rkey,), (value, ttl_ms, replace))
+    except RedisError as exc:
+        if lent is not None:
+            lent.give_back()
+        if own or opts.on_redis_error == "run":
+            logger.warning(
+                "%s: lock store unreachable for %s (%r); publishing WITHOUT an enqueue lock",
+                label,
+                rkey,
+                exc,
+            )
+            return publish(args, kwargs, task_id, _with_reservation(options, None))
+        raise LockError(
+            f"{label} was not published: lock store unreachable for {rkey}: {exc!r}",
+            lock_name=rkey,
+        ) from exc
+    if reply != 1:
+        if lent is not None:
+            lent.give_back()
+        pttl_ms, held = reply
+        holder = Holder.parse(held)
+        holder_id = holder.task_id if holder else None
+        if own or holder_id == task_id:
+            # The key already names this task (or another copy of a task
+            # continuing itself): publish without taking it over.
+            logger.debug("%s: %s is held by %s; republishing as is", label, rkey, holder_id)
+            return publish(args, kwargs, task_id, _with_reservation(options, None))
+        holder_ttl = pttl_ms / 1000 if pttl_ms >= 0 else None
+        canvas = is_canvas(options)
+        if holder_id is None or opts.on_duplicate == "raise" or canvas:
+            why = " (a canvas call is never folded into another copy)" if canvas else ""
+            raise DuplicateTask(
+                f"task {task.name} not published: task {holder_id or 'unknown'} holds "
+                f"{rkey} for {holder_ttl}s more{why}",
+                lock_name=rkey,
+                task_id=holder_id,
+                holder_ttl=holder_ttl,
+            )
+        logger.debug("task %s: a copy is enqueued as %s; returning it", task.name, holder_id)
+        return task.AsyncResult(holder_id)
+    try:
+        return publish(args, kwargs, task_id, _with_reservation(options, value))
+    except BaseException:
+        _undo(guard, rkey, value, lent, label)
+        raise
+
+
+class _Loan:
+    """The lock of a running until_executed attempt, lent to the reservation of its retry.
+
+    While lent, the attempt neither renews nor releases it: the key holds the
+    retry's reservation. Renewal stops before the key changes, or a renewal
+    racing with ``RESERVE`` would find the new value and report the lock lost.
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.on_lost = lease.on_lost
+        lease.released = True
+        lease.on_lost = None
+        _handed_over.add(lease)
+
+    def give_back(self) -> None:
+        """Let the attempt renew and release the lock again."""
+        from .renewal import default_watchdog
+
+        lease = self.lease
+        _handed_over.discard(lease)
+        lease.on_lost = self.on_lost
+        lease.released = False
+        if lease.ttl is not None:
+            default_watchdog().watch(lease)
+
+
+def _undo(guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: str) -> None:
+    """After a failed publish: release the reservation, or give a lent lock back to its attempt."""
+    try:
+        if lent is None:
+            RELEASE(guard.store.client, (rkey,), (value,))
+            logger.info("%s: publish failed; released its reservation %s", label, rkey)
+            return
+        lease, ttl = lent.lease, lent.lease.ttl or 0.0
+        try:
+            sent_at = time.monotonic()
+            if RESERVE(guard.store.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
+                lease.validate_until(sent_at, ttl)
+        finally:
+            # Even if Redis failed too: the attempt then finds its lock gone and says so.
+            lent.give_back()
+        logger.info("%s: publish failed; the running attempt keeps %s", label, rkey)
+    except RedisError as exc:
+        logger.warning(
+            "%s: publish failed and its reservation %s could not be released (%r); "
+            "it expires by itself",
+            label,
+            rkey,
+            exc,
+        )
+
+
+# -- worker side ---------------------------------------------------------------------
+
+
+class HandoverLock(Lock):
+    """The execution lock of a task whose message reserved its key at publish time.
+
+    Taking it turns the message's reservation into the execution lock in one
+    ``HANDOVER`` call. Everything else (lease, renewal, release) is
+    :class:`~celery_redlock.lock.Lock`'s.
+
+    Args:
+        redis: The lock store's client.
+        name: The lock key.
+        reservation_key: Where the message's reservation lives.
+        reservation: The reservation value the message carries, if any.
+        on_lapsed: Called when the message carries a reservation that is gone.
+        **kwargs: :class:`~celery_redlock.lock.Lock`'s options.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        *,
+        reservation_key: str,
+        reservation: str | None,
+        on_lapsed: Callable[[], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(redis, name, **kwargs)
+        self.reservation_key = reservation_key
+        self.reservation = reservation
+        self.on_lapsed = on_lapsed
+
+    def do_acquire(self, token: bytes) -> bool:
+        """Make one attempt; on success store the new lease for this thread."""
+        sent_at = self._clock()
+        status, first, second, *rest = HANDOVER(
+            self.redis,
+            (self.name, self.fence_key, self.reservation_key),
+            (token, self._ttl_ms, self._fence_retention_ms, self.reservation or ""),
+        )
+        found = bool(rest[0]) if status == 0 else bool(second)
+        if self.reservation and not found:
+            self.on_lapsed()
+        if status == 0:
+            self.local.holder = (_decode(second), first / 1000 if first >= 0 else None)
+            return False
+        self.local.holder = None
+        self.local.lease = self._new_lease(Lease, self.redis, token, int(first), sent_at)
+        return True
+
+
+class EnqueueGuard(TaskGuard):
+    """The guard of a task in an enqueue mode: it takes over the reservation its message made.
+
+    ``until_executed`` and ``until_and_while_executing`` run the task under a
+    :class:`HandoverLock`; ``until_executing`` drops the reservation and runs
+    the task without a lock. A message that bypassed ``apply_async``
+    (``send_task``, beat without the task registered) carries no reservation:
+    it meets the lock like any duplicate would.
+    """
+
+    @property
+    def client(self) -> Any:
+        """The lock store's client: enqueue modes run on one server (``conf.check_mode_store``)."""
+        return self.store.client
+
+    def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
+        """Run ``body`` in this mode's window, or resolve the conflict (see :class:`TaskGuard`)."""
+        if self.options.mode != UNTIL_EXECUTING:
+            return super().run(args, kwargs, body)
+        request = self.task.request
+        key = self.keys.key_for(args, kwargs)
+        rkey = reservation_key(UNTIL_EXECUTING, key)
+        value = _header(request, RESERVATION_HEADER)
+        try:
+            reply = DEQUEUE(self.client, (rkey,), (value or "",))
+        except RedisError as exc:
+            return self._redis_failed(rkey, exc, body)
+        if value and reply != 1:
+            self._lapsed(rkey)
+        if isinstance(reply, list):
+            pttl_ms, held = reply
+            shim = super()._new_lock(rkey, request.id, f"task {self.task.name}[{request.id}]")
+            shim.local.holder = (_decode(held), pttl_ms / 1000 if pttl_ms >= 0 else None)
+            self._conflict(rkey, shim)
+        return body()
+
+    def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
+        request = self.task.request
+        rkey = reservation_key(self.options.mode, key)
+        return HandoverLock(
+            self.client,
+            key,
+            reservation_key=rkey,
+            reservation=_header(request, RESERVATION_HEADER),
+            on_lapsed=lambda: self._lapsed(rkey),
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            on_lost=lambda lease: self._report_lost(lease, task_id),
+            label=label,
+        )
+
+    def _conflict(self, key: str, lock: Lock) -> NoReturn:
+        try:
+            super()._conflict(key, lock)
+        finally:
+            # until_and_while_executing: this copy ends (skip, raise) or was
+            # republished with a new reservation (requeue); either way the one
+            # its message made must not keep duplicates out.
+            if isinstance(lock, HandoverLock) and lock.reservation_key != key and lock.reservation:
+                try:
+                    RELEASE(self.client, (lock.reservation_key,), (lock.reservation,))
+                except RedisError as exc:
+                    logger.warning("could not drop reservation %s: %r", lock.reservation_key, exc)
+
+    def _release(self, lock: Lock, lease: Lease) -> None:
+        if lease in _handed_over:
+            _handed_over.discard(lease)
+            logger.debug("%s was handed to the task's next attempt", lease.describe())
+            return
+        super()._release(lock, lease)
+
+    def _lapsed(self, rkey: str) -> None:
+        task, request = self.task, self.task.request
+        if (request.delivery_info or {}).get("redelivered"):
+            return  # a redelivered message's reservation was released on purpose
+        logger.warning(
+            "task %s[%s]: its enqueue lock %s lapsed before it started (mode %s); "
+            "running it anyway",
+            task.name,
+            request.id,
+            rkey,
+            self.options.mode,
+        )
+        signals.lock_lapsed.send(sender=task, task_id=request.id, key=rkey, mode=self.options.mode)
+
+
+def release_revoked(task: Any, guard: TaskGuard, request: Any) -> bool:
+    """Release the reservation of a revoked (or expired) message the worker discards.
+
+    Returns:
+        ``True`` if the reservation was still the message's and is now deleted.
+
+    Raises:
+        redis.exceptions.RedisError: If the lock store cannot be reached.
+        LockKeyError: If the message's arguments cannot make a key.
+    """
+    value = _header(request, RESERVATION_HEADER)
+    if not value or not isinstance(guard, EnqueueGuard):
+        return False
+    key = guard.keys.key_for(request.args or (), request.kwargs or {})
+    rkey = reservation_key(guard.options.mode, key)
+    released = bool(RELEASE(guard.store.client, (rkey,), (value,)))
+    if released:
+        logger.info(
+            "task %s[%s] was revoked before it ran; released its enqueue lock %s",
+            task.name,
+            request.id,
+            rkey,
+        )
+    return released

@@ -1,0 +1,390 @@
+"""How Redlock reaches one master: its connections, and commands in its wire format.
+
+Internal to :mod:`celery_redlock.redlock`. A :class:`Node` keeps private
+connections to one master, with socket timeouts bounded by the node timeout and
+no client-side retries. Connections are opened on a process-wide thread pool
+(created on first use and again after ``fork()``), so a master that hangs
+while connecting costs the caller nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+from redis.retry import Retry
+
+from .scripts import RELEASE, Arg, Script
+
+__all__ = ["Connected", "Master", "Node", "Request", "bounded_client", "node_for"]
+
+#: A master as given to Redlock: a ``redis.Redis`` client or a ``redis://`` URL.
+Master = Union[str, Any]
+
+#: Idle connections kept per master; more are closed when returned.
+MAX_IDLE = 16
+#: Background jobs (connects, or commands on clients that cannot be polled) a
+#: master may have at once. A hung master thus ties up a few pool threads, and
+#: further requests to it fail at once instead of queueing behind them.
+MAX_JOBS = 4
+#: Most replies a parked connection may owe for a request to be pipelined behind them.
+MAX_OWED = 4
+#: Threads of the process-wide pool that connects to masters.
+POOL_THREADS = 32
+# -- process-wide state, reset in a forked child -----------------------------------
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_guard = threading.Lock()
+# Connections opened before a fork share their sockets with the parent: a child
+# must never use them. Nodes compare their generation with this one.
+_generation = 0
+
+
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        with _executor_guard:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(
+                    POOL_THREADS, thread_name_prefix="celery-redlock-io"
+                )
+    return _executor
+
+
+def _after_fork_in_child() -> None:
+    global _executor, _executor_guard, _generation, _registry_guard
+    # The parent's pool threads do not exist in the child; shutting the pool down
+    # would wait for them. Drop it, and every connection made before the fork.
+    # Locks another thread held at the fork would stay held forever: new ones.
+    _executor = None
+    _executor_guard = threading.Lock()
+    _registry_guard = threading.Lock()
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _bounded_kwargs(pool: Any, timeout: float) -> dict[str, Any] | None:
+    """Return ``pool``'s connection options with socket timeouts of at most ``timeout``.
+
+    Client-side retries are turned off too: the caller decides what to do after a
+    failure, within its own deadline, whereas redis-py's retries would multiply
+    the timeout. ``None`` means the pool is of a kind this function does not know
+    how to clone (Sentinel, Cluster, ...), so its client has to be used as it is.
+    """
+    if pool is None or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return None
+    kwargs = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        # Per-pool machinery of recent redis-py versions, bound to the original pool.
+        if not key.startswith(("maint_notifications", "orig_"))
+    }
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        current = kwargs.get(option)
+        kwargs[option] = timeout if current is None else min(current, timeout)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    return kwargs
+
+
+def bounded_client(client: Any, timeout: float, max_connections: int | None = None) -> Any:
+    """Return a client on ``client``'s server with bounded timeouts and no retries.
+
+    The copy has a pool of its own, so it keeps working when the application has
+    used up its pool's connections. A client whose pool cannot be cloned
+    (Sentinel, Cluster) is returned as it is.
+    """
+    pool = getattr(client, "connection_pool", None)
+    kwargs = _bounded_kwargs(pool, timeout)
+    if pool is None or kwargs is None:
+        return client
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, max_connections=max_connections, **kwargs
+        )
+    )
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+class Request:
+    """One command for one master: a script call (EVALSHA, EVAL on NOSCRIPT) or plain."""
+
+    __slots__ = ("_packed", "command", "script")
+
+    def __init__(self, command: tuple[Arg, ...], script: Script | None = None) -> None:
+        self.command = command
+        self.script = script
+        self._packed: dict[tuple[tuple[str, str], bool], Any] = {}
+
+    def packed(self, conn: Any, node: Node) -> Any:
+        """Return the command in ``conn``'s wire format: packed once per round, not per master.
+
+        A script goes with its source to a master that has not shown it knows
+        the script: a NOSCRIPT that arrives after the vote is decided is never
+        read, and the request would be dropped without anyone knowing.
+        """
+        source = self.script is not None and self.script.sha not in node.scripts
+        key = (node.encoding, source)
+        found = self._packed.get(key)
+        if found is None:
+            command = self.with_source() if source else self.command
+            found = self._packed[key] = conn.pack_command(*command)
+        return found
+
+    @classmethod
+    def run(cls, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
+        """A script call by SHA, resent with its source where the master lacks it."""
+        return cls(("EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    @classmethod
+    def release(cls, name: str, token: bytes) -> Request:
+        """The compare-and-delete of ``token``, always sent with its source.
+
+        A release must run even when nobody reads its reply (a master that
+        answers after the vote was decided), and an unread NOSCRIPT would drop
+        it silently. The script is short, so EVAL costs next to nothing more.
+        """
+        return cls(("EVAL", RELEASE.source, 1, name, token))
+
+    def with_source(self) -> tuple[Arg, ...]:
+        """Return the command as EVAL.
+
+        For a master that lost its script cache, or a request nobody will read
+        the answer of (so a NOSCRIPT would go unseen).
+        """
+        if self.script is None:
+            return self.command
+        return ("EVAL", self.script.source, *self.command[2:])
+
+    def call(self, client: Any) -> Any:
+        """Run the request through a redis-py client (for masters that cannot be polled)."""
+        try:
+            return client.execute_command(*self.command)
+        except NoScriptError:
+            return client.execute_command(*self.with_source())
+
+
+class Connected:
+    """A background job's result: a new connection, with nothing sent on it yet."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+
+# -- masters -------------------------------------------------------------------------
+
+
+def node_address(kwargs: Mapping[str, Any]) -> str:
+    """A master's name in errors: ``host:port/db``, or ``unix://path?db=N``."""
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+def _pollable(pool: Any, kwargs: dict[str, Any]) -> bool:
+    # Plain TCP and unix-socket connections speaking RESP2 without client-side
+    # caching: a readable socket then means a whole reply is on its way. TLS can
+    # signal readability for records that hold no reply, and RESP3 can carry
+    # push messages, so those go through their client on the thread pool.
+    cls = pool.connection_class
+    return (
+        issubclass(cls, (redis.Connection, redis.UnixDomainSocketConnection))
+        and not issubclass(cls, redis.SSLConnection)
+        and str(kwargs.get("protocol") or 2) == "2"
+        and getattr(pool, "cache", None) is None
+    )
+
+
+class Node:
+    """One master: a name for error reports, and the connections used to reach it.
+
+    Connections are private to Redlock, with socket timeouts bounded by the node
+    timeout and no client-side retries. An idle connection has nothing left to
+    read. A parked one still owes replies to requests nobody waited for; it is
+    read when next needed, and closed once it has owed them for the node
+    timeout. A reserved parked connection carries an acquire that a lease may
+    have to release: the release goes behind it on the same connection (see
+    :meth:`claim`), because a master runs one connection's commands in order
+    but may interleave two connections' any way.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        client: Any = None,
+        connection_class: Any = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.timeout = timeout
+        # Either a client to run requests through on the thread pool, or what it
+        # takes to open pollable connections (replies are parsed here, as bytes).
+        self.client = client
+        self.pollable = connection_class is not None
+        self._connection_class = connection_class
+        self._kwargs = {**(kwargs or {}), "decode_responses": False}
+        self.encoding = (
+            self._kwargs.get("encoding", "utf-8"),
+            self._kwargs.get("encoding_errors", "strict"),
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        self._generation = _generation
+        self._guard = threading.Lock()
+        # SHAs of the scripts this master has run for us since it last failed;
+        # others are sent with their source. (A set: atomic under the GIL.)
+        self.scripts: set[str] = set()
+        self._idle: list[Any] = []
+        # connection -> (replies owed, when to give up on them, reserved)
+        self._parked: dict[Any, tuple[int, float, bool]] = {}
+        self._jobs = 0
+
+    def checkout(self) -> tuple[Any, int] | None:
+        """Return a connection and how many replies it owes before the next one.
+
+        ``None`` means there is no connection at hand: open one with :meth:`start`.
+        An idle connection is not probed first (that would cost a system call a
+        master and round): a stale one fails, and the round retries on a new one.
+        """
+        self._after_fork()
+        with self._guard:
+            if self._idle:
+                return self._idle.pop(), 0
+            # Pipelining behind replies still on their way beats opening a
+            # connection. Connections that have owed replies too long are closed.
+            now = time.monotonic()
+            found = None
+            for conn, (owed, give_up, reserved) in list(self._parked.items()):
+                if give_up <= now:
+                    del self._parked[conn]
+                    conn.disconnect()
+                elif found is None and not reserved and owed <= MAX_OWED:
+                    del self._parked[conn]
+                    found = (conn, owed)
+            return found
+
+    def _after_fork(self) -> None:
+        # In a forked child the parent's connections are dropped, not closed
+        # (closing would shut the parent's sockets down), and the lock, which
+        # another thread may have held at the fork, is replaced. The child runs
+        # one thread until it starts more, so this check needs no lock.
+        if self._generation != _generation:
+            self._reset()
+
+    def claim(self, conn: Any) -> int | None:
+        """Take back a parked connection; return what it owes, ``None`` if it is gone."""
+        self._after_fork()
+        with self._guard:
+            entry = self._parked.pop(conn, None)
+        return None if entry is None else entry[0]
+
+    def checkin(self, conn: Any) -> None:
+        """Take back a connection with nothing left to read."""
+        with self._guard:
+            if len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.disconnect()
+
+    def park(
+        self, conn: Any, owed: int, give_up: float | None = None, reserved: bool = False
+    ) -> None:
+        """Keep a connection that still owes ``owed`` replies until ``give_up``."""
+        if give_up is None:
+            give_up = time.monotonic() + self.timeout
+        with self._guard:
+            self._parked[conn] = (owed, give_up, reserved)
+
+    def start(self, request: Request) -> concurrent.futures.Future[Any]:
+        """Open a connection from the thread pool, or run ``request`` there through the client.
+
+        The connection comes back unused: the caller sends on it, so a request
+        nobody waits for any more is never sent (see :meth:`Round.finish`).
+
+        Raises:
+            redis.exceptions.ConnectionError: If this master already has
+                ``MAX_JOBS`` jobs running: it is not answering.
+        """
+        self._after_fork()
+        with self._guard:
+            if self._jobs >= MAX_JOBS:
+                raise redis.ConnectionError(f"{MAX_JOBS} connection attempts still pending")
+            self._jobs += 1
+            generation = self._generation
+        try:
+            job = _background().submit(self._job, request)
+        except BaseException:
+            self._job_done(generation)
+            raise
+        job.add_done_callback(lambda _: self._job_done(generation))
+        return job
+
+    def _job_done(self, generation: int) -> None:
+        with self._guard:
+            if generation == self._generation:
+                self._jobs -= 1
+
+    def _job(self, request: Request) -> Any:
+        if not self.pollable:
+            return request.call(self.client)
+        conn = self._connection_class(**self._kwargs)
+        conn.connect()
+        return Connected(conn)
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name}>"
+
+
+_registry_guard = threading.Lock()
+# Nodes are shared by every Redlock on the same pool (or URL) and node timeout,
+# so short-lived Redlock objects reuse connections. A node keeps no reference to
+# the pool, so the weak key can go when the application drops its client.
+_nodes: weakref.WeakKeyDictionary[Any, dict[float, Node]] = weakref.WeakKeyDictionary()
+_url_pools: dict[str, Any] = {}
+
+
+def node_for(master: Master, timeout: float) -> Node:
+    """Return the node of ``master`` (a client or URL) for this node timeout.
+
+    Clients whose connections can be polled share one node per pool; others get
+    a node of their own that runs requests through the client on the thread pool.
+    """
+    with _registry_guard:
+        if isinstance(master, str):
+            pool = _url_pools.get(master)
+            if pool is None:
+                pool = _url_pools[master] = redis.ConnectionPool.from_url(master)
+            client: Any = redis.Redis(connection_pool=pool)
+        else:
+            client = master
+            pool = getattr(master, "connection_pool", None)
+        kwargs = _bounded_kwargs(pool, timeout)
+        if pool is None or kwargs is None or not _pollable(pool, kwargs):
+            # Used through a client on the thread pool; not shared, since such a
+            # node has to keep its client alive.
+            name = repr(client) if kwargs is None else node_address(kwargs)
+            return Node(name, timeout, client=bounded_client(client, timeout))
+        by_timeout = _nodes.setdefault(pool, {})
+        node = by_timeout.get(timeout)
+        if node is None:
+            node = by_timeout[timeout] = Node(
+                node_address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
+            )
+        return node

@@ -1,0 +1,130 @@
+"""The lock and SingletonTask on a local 3-master Redis Cluster (``redlock_url = redis+cluster://...``).
+
+The cluster is built once for the module with ``redis-cli --cluster create`` on
+free loopback ports; each test uses its own key prefix.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_redlock import SKIPPED, SingletonTask, current_lock
+from celery_redlock.bootsteps import check_lock_store
+from celery_redlock.lock import fence_key_for
+from celery_redlock.renewal import Watchdog
+from celery_redlock.store import LockStore, parse_store
+from tests.redis_topologies import LocalCluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server_binary, tmp_path_factory) -> Iterator[LocalCluster]:
+    """A 3-master Redis Cluster, stopped by pid at the end of the module."""
+    with LocalCluster(redis_server_binary, tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+@pytest.fixture
+def store(cluster) -> Iterator[LockStore]:
+    """The lock store as the Celery layer builds it from the setting."""
+    built = LockStore(parse_store({"redlock_url": cluster.url}))
+    yield built
+    built.close()
+
+
+def keys_on(cluster: LocalCluster, pattern: str) -> list[bytes]:
+    return sorted(key for node in cluster.nodes for key in node.client().scan_iter(pattern))
+
+
+def test_lock_is_exclusive_and_its_fence_shares_the_lock_keys_slot(cluster, store):
+    """Acquire, contend, release on a Cluster; lock and fence key live on one node, one slot."""
+    name = f"c1:v1:{{t.job:{uuid.uuid4().hex}}}"
+    first, second = store.lock(name, timeout=5), store.lock(name, timeout=5)
+    assert first.acquire(blocking=False)
+    assert not second.acquire(blocking=False)
+    node = cluster.node_of(name)
+    admin = node.client()
+    assert admin.get(name) == first.token
+    assert admin.cluster("keyslot", name) == admin.cluster("keyslot", fence_key_for(name))
+    fence = first.fence
+    assert int(admin.get(fence_key_for(name))) == fence
+    first.release()
+    assert second.acquire(blocking=False)
+    assert second.fence > fence
+    second.release()
+    assert keys_on(cluster, "c1:*") == [fence_key_for(name).encode()]
+
+
+def test_watchdog_renews_locks_of_every_slot_without_cross_slot_commands(cluster, store):
+    """Locks spread over all three masters are all renewed: no script spans two slots."""
+    watchdog = Watchdog()
+    names = [f"c2:v1:{{t.job:{i}}}" for i in range(12)]
+    assert len({cluster.node_of(name).port for name in names}) == 3
+    locks = [store.lock(name, timeout=0.6, auto_renew=True, watchdog=watchdog) for name in names]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    # Several renewal passes: each lease is renewed at a third of its TTL.
+    wait_until(lambda: all(lock.lease.renewals >= 3 for lock in locks), 10, "three renewals each")
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        assert 0 < cluster.node_of(lock.name).client().pttl(lock.name) <= 600
+        lock.release()
+    assert keys_on(cluster, "c2:*:{t.job:?}") == []
+
+
+def test_worker_start_checks_every_master(cluster):
+    """The worker-start check pings each primary of the Cluster."""
+    app = Celery(f"cluster-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.redlock_url = cluster.url
+    summary = check_lock_store(app)
+    assert summary.startswith("lock store Redis Cluster via") and "answers" in summary
+    assert "unreachable" not in summary
+
+
+def test_singleton_task_end_to_end_on_a_cluster(cluster, redis_server):
+    """A SingletonTask locks on the Cluster: duplicate SKIPPED, fences rise, nothing left."""
+    prefix = f"c3{uuid.uuid4().hex[:6]}"
+    app = Celery(f"cluster-{prefix}", set_as_current=False)
+    app.conf.update(
+        broker_url=redis_server.url,
+        result_backend=redis_server.url,
+        task_default_queue=f"q-{prefix}",
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=False,
+        redlock_url=cluster.url,
+        redlock_key_prefix=prefix,
+        redlock_ttl=3,
+    )
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, name="t.sync_on_cluster")
+    def sync(account):
+        started.set()
+        finish.wait(10)
+        lease = current_lock()
+        assert lease is not None and not lease.lost
+        return lease.fence
+
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        first = sync.delay("acme")
+        assert started.wait(10)
+        key = sync.lock_key_for("acme")
+        assert cluster.node_of(key).client().exists(key)
+        second = sync.delay("acme")
+        deadline = time.monotonic() + 10
+        while second.state != SKIPPED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.state == SKIPPED and second.info["holder"] == first.id
+        finish.set()
+        fence = first.get(timeout=10)
+        # The lock is free as soon as the result is visible, on whichever node holds it.
+        assert sync.delay("acme").get(timeout=10) > fence
+    assert keys_on(cluster, f"{prefix}:*") == [fence_key_for(key).encode()]
