@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from . import signals
 from .conf import LockOptions, resolve
-from .context import _current, current_lock
+from .context import current_lock, holding
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Holder
 from .keys import KeyBuilder
@@ -96,14 +96,13 @@ class TaskGuard:
         signals.lock_acquired.send(
             sender=task, task_id=request.id, key=key, fence=lease.fence, ttl=self.options.ttl
         )
-        context = _current.set(lease)
         try:
-            if _header(request, SELF_HEADER) and self._already_done(request.id):
-                logger.info("%s: an earlier delivery already ran it; dropping", label)
-                raise Ignore()
-            return body()
+            with holding(lease):
+                if header_of(request, SELF_HEADER) and self._already_done(request.id):
+                    logger.info("%s: an earlier delivery already ran it; dropping", label)
+                    raise Ignore()
+                return body()
         finally:
-            _current.reset(context)
             self._release(lock, lease)
 
     def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
@@ -187,7 +186,7 @@ class TaskGuard:
 
     def _contended(self, key: str, holder: Holder | None, action: str) -> None:
         task, request = self.task, self.task.request
-        attempt = int(_header(request, REQUEUES_HEADER) or 0)
+        attempt = int(header_of(request, REQUEUES_HEADER) or 0)
         logger.info(
             "task %s[%s]: %s holds lock %s; %s",
             task.name,
@@ -220,7 +219,7 @@ class TaskGuard:
                 first delivery either finishes or dies, and the lock expires.
         """
         task, request = self.task, self.task.request
-        attempt = int(_header(request, REQUEUES_HEADER) or 0) + 1
+        attempt = int(header_of(request, REQUEUES_HEADER) or 0) + 1
         if request.is_eager:
             raise LockNotAcquired(
                 f"task {task.name}[{request.id}] runs eagerly and cannot be requeued: "
@@ -328,7 +327,8 @@ def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
     return float(delay * (1 - options.requeue_jitter * draw))
 
 
-def _header(request: Any, name: str) -> Any:
+def header_of(request: Any, name: str) -> Any:
+    """Return message header ``name`` of a task request (or the request attribute of that name)."""
     headers = request.headers or {}
     return headers.get(name, getattr(request, name, None))
 

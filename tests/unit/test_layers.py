@@ -92,15 +92,15 @@ def test_integrations_import_no_private_name():
     assert not offenders
 
 
-def test_only_the_guard_shares_the_context_variable():
-    """The context variable is set through context.holding(); only guard.py imports it."""
+def test_no_module_sets_the_context_variable_directly():
+    """The context variable is set only through context.holding(), which resets it."""
     importers = [
         name
         for name, path in MODULES.items()
         for module, names in _imports(path)
         if module == "celery_redlock.context" and "_current" in names
     ]
-    assert importers == ["celery_redlock.guard"]
+    assert importers == []
 
 
 def test_current_lock_is_one_function_under_every_name():
