@@ -377,12 +377,7 @@ class EnqueueGuard(TaskGuard):
             reservation_key=rkey,
             reservation=header_of(request, RESERVATION_HEADER),
             on_lapsed=lambda: self._lapsed(rkey),
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
+            **self._lock_options(task_id, label),
         )
 
     def _conflict(self, key: str, lock: Lock) -> NoReturn:

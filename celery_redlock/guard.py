@@ -112,17 +112,20 @@ class TaskGuard:
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(
-            key,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
+        return self.store.lock(key, **self._lock_options(task_id, label))
+
+    def _lock_options(self, task_id: str, label: str) -> dict[str, Any]:
+        """The options of every run's lock, whichever class takes it."""
+        return {
+            "timeout": self.options.ttl,
+            "blocking": False,
+            "thread_local": False,
+            "auto_renew": True,
             # Only the id: the lease outlives the run in the watchdog's heap,
             # and the request would keep the call's arguments alive with it.
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
-        )
+            "on_lost": lambda lease: self._report_lost(lease, task_id),
+            "label": label,
+        }
 
     def _release(self, lock: Lock, lease: Lease) -> None:
         # Runs in the finally of the task body: before Celery stores the result,
