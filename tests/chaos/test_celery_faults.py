@@ -116,8 +116,9 @@ def test_lock_window_storm_with_a_child_killed_mid_task(celery_chaos: CeleryChao
             result = task.apply_async((run, resource, 0.4), task_id=chosen, producer=producer)
             calls.append(Call(resource, chosen, result.id, time.time()))
             if not victims and i >= STORM_CALLS // 4:
-                # Mid-storm, once a copy runs: kill the pool process running it.
-                victims = c.running(run)[:1]
+                # Mid-storm, once a copy runs: kill the pool process running
+                # the copy that started last, the least likely to be ending.
+                victims = sorted(c.running(run), key=lambda e: e.start)[-1:]
                 for victim in victims:
                     os.kill(victim.pid, signal.SIGKILL)
             time.sleep(STORM_GAP)
