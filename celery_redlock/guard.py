@@ -8,7 +8,6 @@ on the task instance, which thread and gevent pools share between runs.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import random
 import weakref
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 
 from . import signals
 from .conf import LockOptions, resolve
+from .context import _current, current_lock
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Holder
 from .keys import KeyBuilder
@@ -42,19 +42,6 @@ REQUEUES_HEADER = "x_redlock_requeues"
 SELF_HEADER = "x_redlock_self"
 
 T = TypeVar("T")
-
-_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
-    "celery_redlock_current_lock", default=None
-)
-
-
-def current_lock() -> Lease | None:
-    """Return the lease of the lock held by the running task, if it holds one.
-
-    Read ``fence`` to tag writes, and ``lost`` (or ``remaining()``) to check
-    the lock is still held before doing something irreversible.
-    """
-    return _current.get()
 
 
 class TaskGuard:
