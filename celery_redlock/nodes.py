@@ -262,7 +262,14 @@ class Node:
         An idle connection is not probed first (that would cost a system call a
         master and round): a stale one fails, and the round retries on a new one.
         """
-        self._after_fork()
+        if self._generation != _generation:
+            self._reset()
+        if not self._parked:
+            # The common case, without the lock: list.pop() is atomic.
+            try:
+                return self._idle.pop(), 0
+            except IndexError:
+                return None
         with self._guard:
             if self._idle:
                 return self._idle.pop(), 0
@@ -296,10 +303,12 @@ class Node:
 
     def checkin(self, conn: Any) -> None:
         """Take back a connection with nothing left to read."""
-        with self._guard:
-            if len(self._idle) < MAX_IDLE:
-                self._idle.append(conn)
-                return
+        # Without the lock (list operations are atomic): two threads checking
+        # in at once may keep one connection over MAX_IDLE, which is harmless.
+        idle = self._idle
+        if len(idle) < MAX_IDLE:
+            idle.append(conn)
+            return
         conn.disconnect()
 
     def park(

@@ -259,7 +259,8 @@ class Redlock(Lock):
             return True
 
         votes = Votes(len(masters.nodes))
-        with masters.ask(self._grant_request(token)) as grant:
+        grant = masters.send(self._grant_request(token))
+        try:
             grant.collect(votes.settle(agrees))
             failure: QuorumNotAchieved | None = None
             if not votes.won:
@@ -281,6 +282,8 @@ class Redlock(Lock):
                 self._undo(grant, granted, token)
             else:
                 lease.stragglers = grant.finish(reserve=True)
+        finally:
+            grant.finish()
         self.local.holder = self._holder_summary(holders) if holders else None
         if failure is not None:
             failure.holder, failure.holder_ttl = self.local.holder or (None, None)
