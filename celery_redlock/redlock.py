@@ -34,9 +34,9 @@ from .exceptions import (
 )
 from .fanout import PENDING, Round
 from .lock import Lease, Lock, Number
-from .nodes import Master, Request, bounded_client, node_for
+from .nodes import Master, Request, Template, bounded_client, node_for
 from .quorum import Masters, Votes, default_node_timeout
-from .scripts import ACQUIRE, RAISE_FENCE, RENEW
+from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 
@@ -196,6 +196,9 @@ class Redlock(Lock):
             raise ConfigurationError("masters", twice, "name the same server more than once")
         self.masters = tuple(masters)
         self._masters = Masters(nodes, self.node_timeout)
+        # Every acquire and release sends the same command but for the token.
+        self._grant = self._grant_template()
+        self._release = Template(("EVAL", RELEASE.source, 1, self.name, b""), 4)
 
     def _check_node_timeout(self, node_timeout: Number | None) -> float:
         if node_timeout is None:
@@ -259,7 +262,7 @@ class Redlock(Lock):
             return True
 
         votes = Votes(len(masters.nodes))
-        grant = masters.send(self._grant_request(token))
+        grant = masters.send(self._grant.request(token))
         try:
             grant.collect(votes.settle(agrees))
             failure: QuorumNotAchieved | None = None
@@ -295,13 +298,17 @@ class Redlock(Lock):
         self.local.lease = lease
         return True
 
-    def _grant_request(self, token: bytes) -> Request:
+    def _grant_template(self) -> Template:
         if self.fencing:
-            keys = (self.name, self.fence_key)
-            return Request.run(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms))
+            return Template(
+                ("EVALSHA", ACQUIRE.sha, 2, self.name, self.fence_key, b"", self._ttl_ms,
+                 self._fence_retention_ms),
+                5,
+                ACQUIRE,
+            )  # fmt: skip
         if self._ttl_ms:
-            return Request(("SET", self.name, token, "NX", "PX", self._ttl_ms))
-        return Request(("SET", self.name, token, "NX"))
+            return Template(("SET", self.name, b"", "NX", "PX", self._ttl_ms), 2)
+        return Template(("SET", self.name, b"", "NX"), 2)
 
     @staticmethod
     def _holder_summary(holders: list[Holder]) -> Holder:
@@ -364,7 +371,7 @@ class Redlock(Lock):
         that said yes is awaited (within the node timeout), so a failed attempt
         leaves no key behind on a master that answered.
         """
-        release = Request.release(self.name, token)
+        release = self._release.request(token)
         grant.finish(follow_up=release)
         requests = [
             release if i in granted or isinstance(outcome, BaseException) else None
@@ -388,7 +395,7 @@ class Redlock(Lock):
                 was lost or outlived its validity.
             QuorumNotAchieved: If too few masters answered to tell.
         """
-        request = Request.release(self.name, expected_token)
+        request = self._release.request(expected_token)
         lease = self.local.lease
         claims: dict[int, Any] = {}
         if isinstance(lease, RedlockLease) and lease.token == expected_token:
