@@ -46,8 +46,8 @@ NOT_ASKED = object()
 Settle = Callable[[int, Any], bool]
 
 
-def send(conn: Any, packed: Any) -> None:
-    """Write a packed command (a list of chunks, as redis-py packs it) to ``conn``.
+def send(conn: Any, packed: Any) -> int:
+    """Write a packed command (a list of chunks, as redis-py packs it) to ``conn``; return its fd.
 
     A socket with a timeout is non-blocking underneath, and Python polls it
     before every ``send()``; one ``write()`` without that poll nearly always
@@ -60,10 +60,11 @@ def send(conn: Any, packed: Any) -> None:
     sock = conn._sock
     if sock is None or sock.timeout is None or len(packed) != 1:
         conn.send_packed_command(packed, check_health=False)
-        return
+        return int(conn._sock.fileno())
     data = packed[0]
+    fd: int = sock.fileno()
     try:
-        sent = os.write(sock.fileno(), data)
+        sent = os.write(fd, data)
     except BlockingIOError:
         sent = 0
     except OSError as exc:
@@ -71,6 +72,7 @@ def send(conn: Any, packed: Any) -> None:
         raise redis.ConnectionError(f"Error {exc.errno} while writing to socket: {exc}") from exc
     if sent < len(data):
         conn.send_packed_command([data[sent:]], check_health=False)
+    return fd
 
 
 def prefetch(conn: Any, fd: int) -> Any:
@@ -197,14 +199,15 @@ class Round:
 
     def _write(self, i: int, conn: Any, skip: int, reused: bool, packed: Any) -> None:
         try:
-            send(conn, packed)
+            fd = send(conn, packed)
         except RedisError as exc:  # the connection closed itself
             self.nodes[i].scripts.clear()
             if not self._retry(i, reused, exc):
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
-        self._wait(conn._sock.fileno(), i, conn, skip, reused)
+        self._reading[fd] = (i, conn, skip, reused)
+        self._poll.register(fd, select.POLLIN)
 
     def _wait(self, fd: int, i: int, conn: Any, skip: int, reused: bool) -> None:
         self._reading[fd] = (i, conn, skip, reused)

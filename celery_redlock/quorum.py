@@ -56,16 +56,19 @@ class Votes:
 
     def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
         """A ``settle`` callback for :meth:`Round.collect` that counts votes."""
+        # Decided once a majority agreed, or once too few are left to make one.
+        needed = self.needed
+        spare = self.size - needed
 
         def count(i: int, outcome: Any) -> bool:
             if isinstance(outcome, BaseException):
                 self.failed += 1
             elif agrees(i, outcome):
                 self.granted += 1
+                return self.granted >= needed
             else:
                 self.refused += 1
-            # Decided once a majority agreed, or once too few are left to make one.
-            return self.won or self.refused + self.failed > self.size - self.needed
+            return self.granted >= needed or self.refused + self.failed > spare
 
         return count
 

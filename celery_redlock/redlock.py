@@ -341,8 +341,9 @@ class Redlock(Lock):
         whose counter this acquisition has just drawn to exactly the fence already
         hold it; usually all do, and no second round trip is needed.
         """
-        fence = max(fences.values())
-        votes = Votes(len(self._masters.nodes), sum(1 for f in fences.values() if f == fence))
+        drawn = list(fences.values())
+        fence = max(drawn)
+        votes = Votes(len(self._masters.nodes), drawn.count(fence))
         if votes.won:
             return fence, None
         request = Request.run(
