@@ -27,8 +27,8 @@ import redis
 from redis.exceptions import RedisError
 
 from .conf import OPTIONS
+from .context import holding
 from .exceptions import ConfigurationError, LockNotAcquired, LockNotOwned
-from .guard import _current
 from .holder import Holder
 from .keys import KeyBuilder, KeySpec
 from .lock import Lease, Lock
@@ -244,11 +244,11 @@ def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
         if not acquired:
             return conflict(options, key, lock.local.holder)
         lease = lock.lease
-        context = _current.set(lease)
+        assert lease is not None
         try:
-            return func(*args, **kwargs)
+            with holding(lease):
+                return func(*args, **kwargs)
         finally:
-            _current.reset(context)
             try:
                 lock.release()
             except Exception as exc:  # the function's outcome stands; say what happened

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 
 from . import signals
 from .exceptions import DuplicateTask, LockError
-from .guard import TaskGuard, _header, current_lock
+from .guard import TaskGuard, current_lock, header_of
 from .holder import Holder
 from .lock import Lease, Lock
 from .scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
@@ -173,7 +173,7 @@ def apply_async(
         assert lease is not None
         replace = lease.token
     elif own:
-        replace = _header(request, RESERVATION_HEADER) or ""
+        replace = header_of(request, RESERVATION_HEADER) or ""
     value = Holder.new(task_id).encode()
     ttl_ms = max(1, int((publish_delay(options) + opts.enqueue_ttl) * 1000))
     label = f"task {task.name}[{task_id}]"
@@ -354,7 +354,7 @@ class EnqueueGuard(TaskGuard):
         request = self.task.request
         key = self.keys.key_for(args, kwargs)
         rkey = reservation_key(UNTIL_EXECUTING, key)
-        value = _header(request, RESERVATION_HEADER)
+        value = header_of(request, RESERVATION_HEADER)
         try:
             reply = DEQUEUE(self.client, (rkey,), (value or "",))
         except RedisError as exc:
@@ -375,14 +375,9 @@ class EnqueueGuard(TaskGuard):
             self.client,
             key,
             reservation_key=rkey,
-            reservation=_header(request, RESERVATION_HEADER),
+            reservation=header_of(request, RESERVATION_HEADER),
             on_lapsed=lambda: self._lapsed(rkey),
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
+            **self._lock_options(task_id, label),
         )
 
     def _conflict(self, key: str, lock: Lock) -> NoReturn:
@@ -430,7 +425,7 @@ def release_revoked(task: Any, guard: TaskGuard, request: Any) -> bool:
         redis.exceptions.RedisError: If the lock store cannot be reached.
         LockKeyError: If the message's arguments cannot make a key.
     """
-    value = _header(request, RESERVATION_HEADER)
+    value = header_of(request, RESERVATION_HEADER)
     if not value or not isinstance(guard, EnqueueGuard):
         return False
     key = guard.keys.key_for(request.args or (), request.kwargs or {})

@@ -8,7 +8,6 @@ on the task instance, which thread and gevent pools share between runs.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import random
 import weakref
@@ -22,6 +21,7 @@ from redis.exceptions import RedisError
 
 from . import signals
 from .conf import LockOptions, resolve
+from .context import current_lock, holding
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Holder
 from .keys import KeyBuilder
@@ -42,19 +42,6 @@ REQUEUES_HEADER = "x_redlock_requeues"
 SELF_HEADER = "x_redlock_self"
 
 T = TypeVar("T")
-
-_current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
-    "celery_redlock_current_lock", default=None
-)
-
-
-def current_lock() -> Lease | None:
-    """Return the lease of the lock held by the running task, if it holds one.
-
-    Read ``fence`` to tag writes, and ``lost`` (or ``remaining()``) to check
-    the lock is still held before doing something irreversible.
-    """
-    return _current.get()
 
 
 class TaskGuard:
@@ -109,14 +96,13 @@ class TaskGuard:
         signals.lock_acquired.send(
             sender=task, task_id=request.id, key=key, fence=lease.fence, ttl=self.options.ttl
         )
-        context = _current.set(lease)
         try:
-            if _header(request, SELF_HEADER) and self._already_done(request.id):
-                logger.info("%s: an earlier delivery already ran it; dropping", label)
-                raise Ignore()
-            return body()
+            with holding(lease):
+                if header_of(request, SELF_HEADER) and self._already_done(request.id):
+                    logger.info("%s: an earlier delivery already ran it; dropping", label)
+                    raise Ignore()
+                return body()
         finally:
-            _current.reset(context)
             self._release(lock, lease)
 
     def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
@@ -126,17 +112,20 @@ class TaskGuard:
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(
-            key,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
+        return self.store.lock(key, **self._lock_options(task_id, label))
+
+    def _lock_options(self, task_id: str, label: str) -> dict[str, Any]:
+        """The options of every run's lock, whichever class takes it."""
+        return {
+            "timeout": self.options.ttl,
+            "blocking": False,
+            "thread_local": False,
+            "auto_renew": True,
             # Only the id: the lease outlives the run in the watchdog's heap,
             # and the request would keep the call's arguments alive with it.
-            on_lost=lambda lease: self._report_lost(lease, task_id),
-            label=label,
-        )
+            "on_lost": lambda lease: self._report_lost(lease, task_id),
+            "label": label,
+        }
 
     def _release(self, lock: Lock, lease: Lease) -> None:
         # Runs in the finally of the task body: before Celery stores the result,
@@ -200,7 +189,7 @@ class TaskGuard:
 
     def _contended(self, key: str, holder: Holder | None, action: str) -> None:
         task, request = self.task, self.task.request
-        attempt = int(_header(request, REQUEUES_HEADER) or 0)
+        attempt = int(header_of(request, REQUEUES_HEADER) or 0)
         logger.info(
             "task %s[%s]: %s holds lock %s; %s",
             task.name,
@@ -233,7 +222,7 @@ class TaskGuard:
                 first delivery either finishes or dies, and the lock expires.
         """
         task, request = self.task, self.task.request
-        attempt = int(_header(request, REQUEUES_HEADER) or 0) + 1
+        attempt = int(header_of(request, REQUEUES_HEADER) or 0) + 1
         if request.is_eager:
             raise LockNotAcquired(
                 f"task {task.name}[{request.id}] runs eagerly and cannot be requeued: "
@@ -341,7 +330,8 @@ def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
     return float(delay * (1 - options.requeue_jitter * draw))
 
 
-def _header(request: Any, name: str) -> Any:
+def header_of(request: Any, name: str) -> Any:
+    """Return message header ``name`` of a task request (or the request attribute of that name)."""
     headers = request.headers or {}
     return headers.get(name, getattr(request, name, None))
 

@@ -67,7 +67,12 @@ def fence_key_for(name: str | bytes) -> str | bytes:
     return f"{{{name}}}:fence"
 
 
-def _positive_seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
+def positive_seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
+    """Return ``value`` as float seconds, at least a millisecond (``None`` if allowed).
+
+    Raises:
+        ConfigurationError: If it is not such a number, naming ``setting``.
+    """
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -75,6 +80,41 @@ def _positive_seconds(setting: str, value: object, *, allow_none: bool) -> float
     if value <= 0 or int(value * 1000) < 1:
         raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
     return float(value)
+
+
+def check_options(
+    *,
+    timeout: object,
+    sleep: object,
+    blocking_timeout: object,
+    auto_renew: bool,
+    drift_factor: float,
+    fence_retention: object,
+) -> float | None:
+    """Validate the options every lock class takes; return the TTL in seconds, or ``None``.
+
+    Raises:
+        ConfigurationError: For the first option out of range, naming it.
+    """
+    ttl = positive_seconds("timeout", timeout, allow_none=True)
+    if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
+        raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
+    if blocking_timeout is not None and (
+        isinstance(blocking_timeout, bool)
+        or not isinstance(blocking_timeout, (int, float))
+        or blocking_timeout < 0
+    ):
+        raise ConfigurationError(
+            "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
+        )
+    if auto_renew and ttl is None:
+        raise ConfigurationError(
+            "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
+        )
+    if not 0 <= drift_factor < 0.5:
+        raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
+    positive_seconds("fence_retention", fence_retention, allow_none=False)
+    return ttl
 
 
 class Lease:
@@ -191,6 +231,27 @@ class Lease:
         """``True`` when the :class:`Lock` that took the lease was garbage-collected."""
         return self._owner is not None and self._owner() is None
 
+    def still_to_renew(self) -> bool:
+        """Whether a renewer should renew this lease now; says why not in the log.
+
+        ``False`` for a lease released or lost, for one whose :class:`Lock` was
+        garbage-collected (it is left to expire, with a warning), and for one
+        past its validity, which is marked lost: the process slept past it
+        (SIGSTOP, a long GC pause), so someone else may hold the lock by now
+        and renewing is not safe.
+        """
+        if self.released or self.lost:
+            return False
+        if self.abandoned:
+            logger.warning(
+                "%s was garbage-collected while held; letting it expire", self.describe()
+            )
+            return False
+        if self.remaining() <= 0.0:
+            self.mark_lost("validity expired before it could be renewed")
+            return False
+        return True
+
     def mark_lost(self, reason: str) -> None:
         """Flag the lease as lost, log it once, and call its ``on_lost`` callback.
 
@@ -287,23 +348,14 @@ class Lock:
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.timeout = _positive_seconds("timeout", timeout, allow_none=True)
-        if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
-            raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
-        if blocking_timeout is not None and (
-            isinstance(blocking_timeout, bool)
-            or not isinstance(blocking_timeout, (int, float))
-            or blocking_timeout < 0
-        ):
-            raise ConfigurationError(
-                "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
-            )
-        if auto_renew and self.timeout is None:
-            raise ConfigurationError(
-                "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
-            )
-        if not 0 <= drift_factor < 0.5:
-            raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
+        self.timeout = check_options(
+            timeout=timeout,
+            sleep=sleep,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            drift_factor=drift_factor,
+            fence_retention=fence_retention,
+        )
         self.redis = redis
         self.name = name
         self.sleep = sleep
@@ -315,7 +367,6 @@ class Lock:
         self.on_lost = on_lost
         self.fencing = fencing
         self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
-        _positive_seconds("fence_retention", fence_retention, allow_none=False)
         self._fence_retention_ms = int(fence_retention * 1000)
         self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
         self.drift_factor = drift_factor
@@ -510,7 +561,7 @@ class Lock:
             raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
         if self.timeout is None:
             raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
-        _positive_seconds("additional_time", additional_time, allow_none=False)
+        positive_seconds("additional_time", additional_time, allow_none=False)
         return self.do_extend(additional_time, replace_ttl)
 
     def do_extend(self, additional_time: Number, replace_ttl: bool) -> Literal[True]:

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import redis
@@ -271,7 +271,8 @@ class Connected:
 # -- masters -------------------------------------------------------------------------
 
 
-def _address(kwargs: dict[str, Any]) -> str:
+def node_address(kwargs: Mapping[str, Any]) -> str:
+    """A master's name in errors: ``host:port/db``, or ``unix://path?db=N``."""
     db = kwargs.get("db", 0)
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={db}"
@@ -471,12 +472,12 @@ def node_for(master: Master, timeout: float) -> Node:
         if pool is None or kwargs is None or not _pollable(pool, kwargs):
             # Used through a client on the thread pool; not shared, since such a
             # node has to keep its client alive.
-            name = repr(client) if kwargs is None else _address(kwargs)
+            name = repr(client) if kwargs is None else node_address(kwargs)
             return Node(name, timeout, client=bounded_client(client, timeout))
         by_timeout = _nodes.setdefault(pool, {})
         node = by_timeout.get(timeout)
         if node is None:
             node = by_timeout[timeout] = Node(
-                _address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
+                node_address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
             )
         return node

@@ -1,6 +1,7 @@
 """Majority arithmetic of Redlock: votes, the masters of one lock, and node timeouts.
 
-Internal to :mod:`celery_redlock.redlock`. A majority is more than half of the
+Used by :mod:`celery_redlock.redlock`; the asyncio Redlock shares :class:`Votes`,
+:func:`lost_vote` and the node timeout rules. A majority is more than half of the
 masters; a vote is decided as soon as a majority agreed, or as soon as too few
 masters are left to make one.
 """
@@ -13,11 +14,19 @@ from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .exceptions import LockError, QuorumNotAchieved
+from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round, Settle
 from .nodes import Node, Request
 
-__all__ = ["NODE_TIMEOUT_MAX", "NODE_TIMEOUT_MIN", "Masters", "Votes", "default_node_timeout"]
+__all__ = [
+    "NODE_TIMEOUT_MAX",
+    "NODE_TIMEOUT_MIN",
+    "Masters",
+    "Votes",
+    "check_node_timeout",
+    "default_node_timeout",
+    "lost_vote",
+]
 
 #: Least default node timeout in seconds (the default is a tenth of the TTL).
 NODE_TIMEOUT_MIN = 0.05
@@ -30,6 +39,23 @@ def default_node_timeout(ttl: float | None) -> float:
     if ttl is None:
         return NODE_TIMEOUT_MAX
     return min(max(ttl / 10, NODE_TIMEOUT_MIN), NODE_TIMEOUT_MAX, ttl / 2)
+
+
+def check_node_timeout(node_timeout: object, ttl: float | None) -> float:
+    """Validate a Redlock's ``node_timeout`` in seconds (``None``: the default for ``ttl``).
+
+    Raises:
+        ConfigurationError: If it is not a positive number below the TTL.
+    """
+    if node_timeout is None:
+        return default_node_timeout(ttl)
+    if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
+        raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
+    if node_timeout <= 0 or (ttl is not None and node_timeout >= ttl):
+        raise ConfigurationError(
+            "node_timeout", node_timeout, "must be positive and shorter than the timeout"
+        )
+    return float(node_timeout)
 
 
 class Votes:
@@ -137,28 +163,63 @@ class Masters:
         refusal: Callable[[Any], LockError | None],
     ) -> QuorumNotAchieved:
         """Describe a lost vote: what each master that did not agree answered."""
-        errors: dict[str, BaseException] = {}
-        for node, outcome in zip(self.nodes, round_.outcomes):
-            if outcome is NOT_ASKED:
-                continue
-            if outcome is PENDING:
-                errors[node.name] = RedisTimeoutError(
-                    f"no answer within the node timeout ({self.timeout * 1000:.0f} ms)"
-                    if round_.expired
-                    else "not awaited: the vote was lost before it answered"
-                )
-            elif isinstance(outcome, BaseException):
-                errors[node.name] = outcome
-            else:
-                refused = refusal(outcome)
-                if refused is not None:
-                    errors[node.name] = refused
-        details = "; ".join(f"{name}: {error}" for name, error in errors.items())
-        return QuorumNotAchieved(
-            f"{message}: {votes.granted} of {len(self.nodes)} masters agreed, "
-            f"{votes.needed} needed" + (f" ({details})" if details else ""),
-            lock_name=lock_name,
-            errors=errors,
-            granted=votes.granted,
-            needed=votes.needed,
+        return lost_vote(
+            message,
+            lock_name,
+            [node.name for node in self.nodes],
+            round_.outcomes,
+            votes,
+            refusal,
+            self.timeout,
+            round_.expired,
         )
+
+
+def lost_vote(
+    message: str,
+    lock_name: str,
+    names: Sequence[str],
+    outcomes: Sequence[Any],
+    votes: Votes,
+    refusal: Callable[[Any], LockError | None],
+    node_timeout: float,
+    expired: bool,
+) -> QuorumNotAchieved:
+    """Describe a lost vote: what each master that did not agree answered.
+
+    Args:
+        message: What failed, e.g. ``"Lock x not acquired"``.
+        lock_name: The lock's key.
+        names: The masters' names, in the order of ``outcomes``.
+        outcomes: Each master's reply, error, ``PENDING`` or ``NOT_ASKED``.
+        votes: The count.
+        refusal: Turns a reply into the reason it did not agree, or ``None``.
+        node_timeout: The node timeout in seconds, named for masters still pending.
+        expired: Whether the wait ended at the node timeout rather than at a
+            lost vote, which is what a pending master's error then says.
+    """
+    errors: dict[str, BaseException] = {}
+    for name, outcome in zip(names, outcomes):
+        if outcome is NOT_ASKED:
+            continue
+        if outcome is PENDING:
+            errors[name] = RedisTimeoutError(
+                f"no answer within the node timeout ({node_timeout * 1000:.0f} ms)"
+                if expired
+                else "not awaited: the vote was lost before it answered"
+            )
+        elif isinstance(outcome, BaseException):
+            errors[name] = outcome
+        else:
+            refused = refusal(outcome)
+            if refused is not None:
+                errors[name] = refused
+    details = "; ".join(f"{name}: {error}" for name, error in errors.items())
+    return QuorumNotAchieved(
+        f"{message}: {votes.granted} of {len(names)} masters agreed, "
+        f"{votes.needed} needed" + (f" ({details})" if details else ""),
+        lock_name=lock_name,
+        errors=errors,
+        granted=votes.granted,
+        needed=votes.needed,
+    )

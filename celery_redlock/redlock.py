@@ -23,38 +23,24 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from .exceptions import (
     ConfigurationError,
     LockError,
-    LockNotAcquired,
     LockNotOwned,
     QuorumNotAchieved,
 )
 from .fanout import PENDING, Round
 from .lock import Lease, Lock, Number
 from .nodes import Master, Request, Template, bounded_client, node_for
-from .quorum import Masters, Votes, default_node_timeout
+from .quorum import Masters, Votes, check_node_timeout
+from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 
 logger = logging.getLogger(__name__)
-
-#: A holder seen on a master: its value and the seconds it has left there.
-Holder = tuple[Union[str, None], Union[float, None]]
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return None if value is None else str(value)
-
-
-def _as_bytes(value: Any) -> bytes | None:
-    return value.encode() if isinstance(value, str) else value
-
 
 # -- the lock ----------------------------------------------------------------------------
 
@@ -187,7 +173,7 @@ class Redlock(Lock):
             raise ConfigurationError(
                 "masters", masters, "must be a non-empty list of clients or URLs"
             )
-        self.node_timeout = self._check_node_timeout(node_timeout)
+        self.node_timeout = check_node_timeout(node_timeout, self.timeout)
         nodes = [node_for(master, self.node_timeout) for master in masters]
         names = Counter(node.name for node in nodes)
         twice = [name for name, count in names.items() if count > 1]
@@ -199,17 +185,6 @@ class Redlock(Lock):
         # Every acquire and release sends the same command but for the token.
         self._grant = self._grant_template()
         self._release = Template(("EVAL", RELEASE.source, 1, self.name, b""), 4)
-
-    def _check_node_timeout(self, node_timeout: Number | None) -> float:
-        if node_timeout is None:
-            return default_node_timeout(self.timeout)
-        if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
-            raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
-        if node_timeout <= 0 or (self.timeout is not None and node_timeout >= self.timeout):
-            raise ConfigurationError(
-                "node_timeout", node_timeout, "must be positive and shorter than the timeout"
-            )
-        return float(node_timeout)
 
     @property
     def quorum(self) -> int:
@@ -252,7 +227,7 @@ class Redlock(Lock):
 
         def agrees(i: int, reply: Any) -> bool:
             if isinstance(reply, list):  # the acquire script's "held by" answer
-                holders.append((_text(reply[1]), reply[0] / 1000 if reply[0] >= 0 else None))
+                holders.append(holder_of(reply))
                 return False
             if reply is None:  # SET NX refused
                 return False
@@ -287,7 +262,7 @@ class Redlock(Lock):
                 lease.stragglers = grant.finish(reserve=True)
         finally:
             grant.finish()
-        self.local.holder = self._holder_summary(holders) if holders else None
+        self.local.holder = most_common_holder(holders) if holders else None
         if failure is not None:
             failure.holder, failure.holder_ttl = self.local.holder or (None, None)
             self.local.failure = failure
@@ -310,25 +285,8 @@ class Redlock(Lock):
             return Template(("SET", self.name, b"", "NX", "PX", self._ttl_ms), 2)
         return Template(("SET", self.name, b"", "NX"), 2)
 
-    @staticmethod
-    def _holder_summary(holders: list[Holder]) -> Holder:
-        value = Counter(holder for holder, _ in holders).most_common(1)[0][0]
-        ttls = [ttl for holder, ttl in holders if holder == value and ttl is not None]
-        return value, max(ttls) if ttls else None
-
     def _refusal(self, reply: Any) -> LockError | None:
-        if isinstance(reply, list):
-            holder = _text(reply[1])
-            ttl = reply[0] / 1000 if reply[0] >= 0 else None
-            return LockNotAcquired(
-                f"held by {holder!r}" + (f" for {ttl:g} s more" if ttl is not None else ""),
-                lock_name=self.name,
-                holder=holder,
-                holder_ttl=ttl,
-            )
-        if reply is None:
-            return LockNotAcquired("held by another token", lock_name=self.name)
-        return None
+        return refusal_of_acquire(self.name, reply)
 
     def _hand_out_fence(
         self, token: bytes, fences: dict[int, int]
@@ -473,7 +431,7 @@ class Redlock(Lock):
         if token is None:
             return False
         round_, votes = self._masters.vote(
-            Request(("GET", self.name)), lambda i, value: _as_bytes(value) == token
+            Request(("GET", self.name)), lambda i, value: as_bytes(value) == token
         )
         if votes.won or votes.refused_by_majority:
             return votes.won
@@ -482,7 +440,7 @@ class Redlock(Lock):
             self.name,
             round_,
             votes,
-            lambda value: None if _as_bytes(value) == token else LockNotOwned("not ours"),
+            lambda value: None if as_bytes(value) == token else LockNotOwned("not ours"),
         )
 
     def __repr__(self) -> str:

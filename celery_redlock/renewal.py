@@ -131,17 +131,7 @@ class Watchdog:
         by_pool: dict[Any, list[Lease]] = defaultdict(list)
         alone: list[Lease] = []
         for lease in batch:
-            if lease.released or lease.lost:
-                continue
-            if lease.abandoned:
-                logger.warning(
-                    "%s was garbage-collected while held; letting it expire", lease.describe()
-                )
-                continue
-            if lease.remaining() <= 0.0:
-                # The process slept past the validity (SIGSTOP, a long GC pause):
-                # someone else may hold the lock by now, so renewing is not safe.
-                lease.mark_lost("validity expired before it could be renewed")
+            if not lease.still_to_renew():
                 continue
             if lease.renews_itself:
                 alone.append(lease)

@@ -35,9 +35,10 @@ from rq.job import Job
 from rq.version import VERSION as RQ_VERSION
 
 from .conf import OPTIONS, LockOptions
+from .context import holding
 from .decorator import released_badly, unprotected
 from .exceptions import ConfigurationError, LockNotAcquired
-from .guard import _current, requeue_delay
+from .guard import requeue_delay
 from .holder import Holder
 from .keys import KeyBuilder, KeySpec
 from .lock import Lock
@@ -240,11 +241,10 @@ class _JobRunner:
         lease = lock.lease
         assert lease is not None
         logger.debug("%s acquired", lease.describe())
-        context = _current.set(lease)
         try:
-            return self.func(*args, **kwargs)
+            with holding(lease):
+                return self.func(*args, **kwargs)
         finally:
-            _current.reset(context)
             try:
                 lock.release()
             except Exception as exc:  # the job's outcome stands; say what happened

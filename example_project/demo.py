@@ -2,16 +2,23 @@
 
 Run it with ``scripts/demo`` (or ``python -m example_project.demo`` from the
 repository root). It finds or starts a Redis (see :mod:`example_project.local_redis`),
-starts a prefork worker, and plays three scenarios:
+starts a prefork worker, and plays eight scenarios. The first five lock while
+the task runs (``while_executing``, the default); the last three lock from
+``apply_async`` on (the lock windows of docs/modes.md):
 
 1. skip: 20 calls of ``sync_invoices(42)``; one runs, 19 are skipped.
 2. requeue: 5 calls of ``rebuild_report(7)``; all run, one after another.
 3. fencing: ``charge_card(99, ...)`` and a lock holder that stalls past its TTL;
    the ledger refuses the stale holder's write.
-4. per-queue locking of plain tasks: 5 calls of ``export_statement(7)`` on the
-   queue the app's ``redlock_queues`` locks (requeue: all run, one at a time),
-   and 10 calls of ``send_reminder(42)`` on the queue the worker's
-   ``--redlock-queues`` locks (skip: one runs).
+4. per-queue locking by configuration: 5 calls of the plain ``export_statement(7)``
+   on the queue the app's ``redlock_queues`` locks (requeue: all run, one at a time).
+5. per-queue locking by worker option: 10 calls of the plain ``send_reminder(42)``
+   on the queue the worker's ``--redlock-queues`` locks (skip: one runs).
+6. until_executed: 20 clicks of ``nightly_report(day)``; one task id, one run.
+7. until_executing + raise: 10 debounced ``refresh_rates("EUR")`` requests;
+   one published, 9 ``DuplicateTask``; a request after it started is published.
+8. until_and_while_executing: a storm of 20 ``sync_catalog(5)`` calls while one
+   runs; at most one running and one queued, two runs in all.
 
 It exits 0 when every expectation holds, 1 when one fails, 2 when no Redis
 could be found. Whatever happens, it stops the worker (and a Redis it
@@ -37,10 +44,10 @@ from typing import Any
 
 import redis
 
-from celery_redlock import SKIPPED, Lock
+from celery_redlock import SKIPPED, DuplicateTask, Lock
 from celery_redlock.keys import KeyBuilder
 
-from .journal import Run, read_events, read_runs, server_time
+from .journal import Run, read_events, read_runs, running_key, server_time
 from .ledger import balance, record_charge
 from .local_redis import LocalRedis, NoRedisError, redacted, with_db
 from .worker import Worker
@@ -51,6 +58,8 @@ DB = 12
 TIME_BUDGET = 50.0
 #: How long the stale holder of scenario 3 keeps its lock without renewing it.
 STALE_TTL = 0.5
+#: The debounce delay of scenario 7: refresh_rates is sent with this countdown.
+RATES_COUNTDOWN = 1.0
 
 SETTLED = {"SUCCESS", "FAILURE", "REVOKED", SKIPPED}
 
@@ -104,6 +113,15 @@ class Step:
     states: dict[str, str] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
     requeues: int = 0
+    mode: str = "while_executing"
+    on_duplicate: str = "-"
+    same_id: int = 0  # calls apply_async answered with an earlier call's task id
+    raised: int = 0  # calls apply_async refused with DuplicateTask
+
+    @property
+    def sent(self) -> int:
+        """Calls made: those published (``ids``) and those deduplicated at publish."""
+        return len(self.ids) + self.same_id + self.raised
 
     def count(self, state: str) -> int:
         return sum(1 for value in self.states.values() if value == state)
@@ -147,7 +165,7 @@ def delete_keys(client: redis.Redis, prefix: str) -> int:
 
 
 class Demo:
-    """The three scenarios, run against one worker.
+    """The scenarios, run against one worker.
 
     Args:
         client: A client of the demo's database (``decode_responses=True``).
@@ -173,6 +191,7 @@ class Demo:
         self.deadline = deadline
         self.checks: list[Check] = []
         self.fencing_lines: list[str] = []
+        self.window_lines: list[str] = []
 
     # -- waiting ---------------------------------------------------------------------
 
@@ -226,6 +245,12 @@ class Demo:
             parts.append(f"{len(step.ids) - done} waiting")
             return done == len(step.ids), ", ".join(parts)
 
+        self.wait_settled_with(step, label, poll, timeout)
+
+    def wait_settled_with(
+        self, step: Step, label: str, poll: Callable[[], tuple[bool, str]], timeout: float
+    ) -> None:
+        """Wait with ``poll``, then collect the step's time, runs and requeues."""
         self.wait_for(label, poll, timeout)
         step.seconds = time.monotonic() - step.began
         ids = set(step.ids)
@@ -285,7 +310,7 @@ class Demo:
         self.wait_settled(step, f"   {total} calls run in turn ...", timeout=20)
 
         runs = step.runs
-        fences = [run.fence for run in runs]
+        fences = [run.fence or 0 for run in runs]  # a locked run always has a fence
         overlaps = [
             f"{a.task_id[:8]}/{b.task_id[:8]}" for a, b in zip(runs, runs[1:]) if b.start < a.end
         ]
@@ -376,6 +401,163 @@ class Demo:
         self.check(total == 65, "charge_card(99): balance is 65, not 105", str(total))
         return step
 
+    # -- lock windows ----------------------------------------------------------------
+
+    def until_executed_clicks(self, day: str, clicks: int) -> Step:
+        """``clicks`` calls of the day's report: one is published, the rest get its id."""
+        task = self.tasks.nightly_report
+        name = f"nightly_report({day})"
+        step = Step(name, "skip", "SingletonTask", [], server_time(self.client))
+        step.mode, step.on_duplicate = "until_executed", "return_existing"
+        returned = [task.delay(day).id for _ in range(clicks)]
+        step.ids = sorted(set(returned), key=returned.index)
+        step.same_id = clicks - len(step.ids)
+        print(f"   {clicks} clicks ... {len(step.ids)} published, {step.same_id} got its task id")
+        self.window_lines.append(
+            f"{name}: {clicks} clicks of 'generate' returned "
+            f"{len(step.ids)} distinct task id: {', '.join(i[:8] for i in step.ids)}"
+        )
+        self.wait_settled(step, "   the report runs ...", timeout=15)
+        self.check(
+            len(step.ids) == 1 and step.same_id == clicks - 1,
+            f"{name}: {clicks} clicks, 1 published; the other {clicks - 1} got its task id",
+            f"{len(step.ids)} published",
+        )
+        self.check(
+            len(step.runs) == 1 and step.count("SUCCESS") == len(step.ids),
+            f"{name}: the report was generated once",
+            f"{len(step.runs)} runs",
+        )
+        return step
+
+    def until_executing_debounce(self, currency: str, requests: int) -> Step:
+        """Debounced requests fold into one queued refresh; one after it starts queues anew."""
+        task = self.tasks.refresh_rates
+        name = f"refresh_rates({currency})"
+        step = Step(name, "skip", "SingletonTask", [], server_time(self.client))
+        step.mode, step.on_duplicate = "until_executing", "raise"
+        first = task.apply_async((currency,), countdown=RATES_COUNTDOWN)
+        step.ids.append(first.id)
+        refused: list[DuplicateTask] = []
+        for _ in range(requests - 1):
+            try:
+                step.ids.append(task.apply_async((currency,), countdown=RATES_COUNTDOWN).id)
+            except DuplicateTask as exc:
+                refused.append(exc)
+        step.raised = len(refused)
+        print(f"   {requests} requests ... {len(step.ids)} published, {step.raised} DuplicateTask")
+        ttls = [exc.holder_ttl for exc in refused if exc.holder_ttl is not None]
+        holders = {exc.task_id for exc in refused}
+        if ttls:
+            self.window_lines.append(
+                f"{name}: {len(refused)} requests raised DuplicateTask naming "
+                f"{', '.join(sorted(str(h)[:8] for h in holders))}, whose reservation had "
+                f"{min(ttls):.0f} s left (countdown + lock_enqueue_ttl)"
+            )
+        # Its reservation ends when a worker starts it (after the countdown).
+        reserved = f"{task.lock_key_for(currency)}:queued"
+        running = running_key(self.prefix, task.lock_key_for(currency))
+
+        def started() -> tuple[bool, str]:
+            begun = not self.client.exists(reserved) and bool(self.client.get(running))
+            return begun, "running" if begun else "queued, counting down"
+
+        self.wait_for(f"   the refresh starts after its {RATES_COUNTDOWN:.0f} s countdown ...",
+                      started, timeout=15)  # fmt: skip
+        try:
+            later = task.delay(currency)
+            step.ids.append(later.id)
+            self.window_lines.append(
+                f"{name}: a request after it started was published ({later.id[:8]})"
+            )
+        except DuplicateTask as exc:
+            step.raised += 1
+            self.window_lines.append(f"{name}: a request after it started was refused: {exc}")
+        self.wait_settled(step, "   both refreshes run ...", timeout=15)
+        self.check(
+            step.raised == requests - 1 and holders == {first.id},
+            f"{name}: {requests - 1} of {requests} requests in the countdown raised "
+            "DuplicateTask naming the queued one",
+            f"{step.raised} raised, holders {sorted(map(str, holders))}",
+        )
+        self.check(
+            len(step.ids) == 2 and len(step.runs) == 2 and step.count("SUCCESS") == 2,
+            f"{name}: the request made after it started was published and ran",
+            f"{len(step.ids)} published, {len(step.runs)} runs",
+        )
+        return step
+
+    def until_and_while_storm(self, shop_id: int, calls: int) -> Step:
+        """A storm while one sync runs: one more is queued, the rest get the queued one's id."""
+        task = self.tasks.sync_catalog
+        name = f"sync_catalog({shop_id})"
+        step = Step(name, "requeue", "SingletonTask", [], server_time(self.client))
+        step.mode, step.on_duplicate = "until_and_while_executing", "return_existing"
+        key = task.lock_key_for(shop_id)
+        running, queued = running_key(self.prefix, key), f"{key}:queued"
+        peak = {"running": 0, "queued": 0, "samples": 0}
+
+        def sample() -> tuple[int, int]:
+            now_running = int(self.client.get(running) or 0)
+            now_queued = int(self.client.exists(queued))
+            peak["running"] = max(peak["running"], now_running)
+            peak["queued"] = max(peak["queued"], now_queued)
+            peak["samples"] += 1
+            return now_running, now_queued
+
+        def first_runs() -> tuple[bool, str]:
+            now_running, _ = sample()
+            return now_running > 0, "running" if now_running else "queued"
+
+        returned = [task.delay(shop_id).id]
+        self.wait_for("   the first sync starts ...", first_runs, timeout=15)
+        progress = Progress(f"   {calls - 1} more calls while it runs ...")
+        for n in range(calls - 1):
+            returned.append(task.delay(shop_id).id)
+            now_running, now_queued = sample()
+            progress.update(f"{n + 1} sent: {now_running} running, {now_queued} queued")
+            time.sleep(0.01)  # a storm of webhooks, not one burst (all within the first run)
+        step.ids = sorted(set(returned), key=returned.index)
+        step.same_id = calls - len(step.ids)
+        progress.done(f"{len(step.ids)} published, {step.same_id} got the queued one's id")
+
+        def poll() -> tuple[bool, str]:
+            now_running, now_queued = sample()
+            step.states = self.states(step.ids)
+            done = sum(1 for state in step.states.values() if state in SETTLED)
+            status = (
+                f"{now_running} running, {now_queued} queued, {step.count('SUCCESS')} done, "
+                f"{self.requeues(step.ids)} requeues"
+            )
+            return done == len(step.ids), status
+
+        self.wait_settled_with(step, f"   {len(step.ids)} published syncs run ...", poll, 15)
+        self.window_lines.append(
+            f"{name}: {calls} calls; at most {peak['running']} running and {peak['queued']} "
+            f"queued in {peak['samples']} samples; {step.same_id} got task id "
+            f"{step.ids[-1][:8]}, the queued one"
+        )
+        runs = step.runs
+        fences = [run.fence or 0 for run in runs]
+        self.check(
+            len(step.ids) == 2 and step.same_id == calls - 2,
+            f"{name}: {calls} calls, 2 published (one running, one queued); "
+            f"{calls - 2} got the queued one's id",
+            f"{len(step.ids)} published",
+        )
+        self.check(
+            peak["running"] == 1 and peak["queued"] == 1 and all(r.holders == 1 for r in runs),
+            f"{name}: never more than 1 running and 1 queued",
+            f"peaks {peak['running']} running, {peak['queued']} queued",
+        )
+        self.check(
+            len(runs) == 2 and step.count("SUCCESS") == 2 and fences[0] < fences[-1]
+            and runs[0].end <= runs[1].start,
+            f"{name}: both ran, one after the other, fences rising",
+            f"{len(runs)} runs, fences {fences}",
+        )  # fmt: skip
+        return step
+
     def scenarios(self, exports_queue: str, reminders_queue: str) -> list[Step]:
         """Play every scenario in order; return their steps for the summary."""
         tasks = self.tasks
@@ -391,6 +573,15 @@ class Demo:
         print(f"\n5. per-queue, by worker option: 10 x send_reminder(42) on {reminders_queue}")
         print("   (a plain task; the worker's --redlock-queues locks its queue, skip)")
         steps.append(self.skip_storm(tasks.send_reminder, 42, 10, "--redlock-queues"))
+        print("\n6. until_executed: 20 clicks of 'generate' for nightly_report(2026-11-28)")
+        steps.append(self.until_executed_clicks("2026-11-28", 20))
+        print(
+            f"\n7. until_executing, raise: 10 x refresh_rates(EUR) with a {RATES_COUNTDOWN:.0f} s"
+            " countdown, then 1 more once it runs"
+        )
+        steps.append(self.until_executing_debounce("EUR", 10))
+        print("\n8. until_and_while_executing: 20 x sync_catalog(5), 19 of them while one runs")
+        steps.append(self.until_and_while_storm(5, 20))
         return steps
 
     # -- report ----------------------------------------------------------------------
@@ -401,7 +592,7 @@ class Demo:
             (
                 step.label,
                 step.policy,
-                len(step.ids),
+                step.sent,
                 len(step.runs),
                 step.count(SKIPPED),
                 step.requeues,
@@ -414,7 +605,7 @@ class Demo:
             (
                 "all",
                 "",
-                sum(len(step.ids) for step in steps),
+                sum(step.sent for step in steps),
                 sum(len(step.runs) for step in steps),
                 sum(step.count(SKIPPED) for step in steps),
                 sum(step.requeues for step in steps),
@@ -438,11 +629,38 @@ class Demo:
                         run.pid,
                         f"+{run.start - step.t0:.2f}",
                         f"+{run.end - step.t0:.2f}",
-                        run.fence,
+                        "-" if run.fence is None else run.fence,
                     )
                 )
         header = ("run", "task id", "pid", "start", "end", "fence")
         for line in table(header, rows, "<<>>>>"):
+            print(f"  {line}")
+
+        windows = [step for step in steps if step.mode != "while_executing"]
+        print("\nLock windows (what apply_async did with each call)")
+        rows = [
+            (
+                step.label,
+                step.mode,
+                step.on_duplicate,
+                step.sent,
+                len(step.ids),
+                step.same_id,
+                step.raised,
+                len(step.runs),
+                step.count(SKIPPED),
+                step.requeues,
+                f"{step.seconds:.1f} s",
+            )
+            for step in [*steps[:1], *windows]
+        ]
+        windows_header = (
+            "task", "lock_mode", "on duplicate", "sent", "published", "same id",
+            "DuplicateTask", "ran", "skipped", "requeues", "took",
+        )  # fmt: skip
+        for line in table(windows_header, rows, "<<<>>>>>>>>"):
+            print(f"  {line}")
+        for line in self.window_lines:
             print(f"  {line}")
 
         print("\nFencing")

@@ -33,6 +33,11 @@ def events_key(prefix: str) -> str:
     return f"{prefix}:events"
 
 
+def running_key(prefix: str, key: str) -> str:
+    """The counter of runs of lock key ``key`` in progress."""
+    return f"{prefix}:running:{key}"
+
+
 def server_time(client: redis.Redis) -> float:
     """The Redis server's clock, in seconds."""
     seconds, microseconds = client.time()
@@ -47,8 +52,9 @@ class Run:
         task: The task's short name, e.g. ``"sync_invoices"``.
         task_id: The Celery task id.
         args: The positional arguments.
-        key: The lock key held (``current_lock().name``).
-        fence: The fence of that hold.
+        key: The lock key held (``current_lock().name``), or, for a task that
+            runs without a lock (``until_executing``), the key it reserved by.
+        fence: The fence of that hold; ``None`` when the run held no lock.
         pid: The pool process that ran it.
         start: Start, by the Redis clock.
         end: End, by the Redis clock.
@@ -60,7 +66,7 @@ class Run:
     task_id: str
     args: list[Any]
     key: str
-    fence: int
+    fence: int | None
     pid: int
     start: float
     end: float
@@ -70,10 +76,17 @@ class Run:
 
 @contextmanager
 def recorded_run(
-    client: redis.Redis, prefix: str, *, task: str, task_id: str, args: list[Any], lease: Any
+    client: redis.Redis,
+    prefix: str,
+    *,
+    task: str,
+    task_id: str,
+    args: list[Any],
+    key: str,
+    fence: int | None,
 ) -> Iterator[dict[str, Any]]:
     """Record the run of the ``with`` body; the yielded dict becomes its ``outcome``."""
-    running = f"{prefix}:running:{lease.name}"
+    running = running_key(prefix, key)
     holders = int(client.incr(running))
     start = server_time(client)
     outcome: dict[str, Any] = {}
@@ -86,8 +99,8 @@ def recorded_run(
             task=task,
             task_id=task_id,
             args=args,
-            key=lease.name,
-            fence=lease.fence,
+            key=key,
+            fence=fence,
             pid=os.getpid(),
             start=start,
             end=end,

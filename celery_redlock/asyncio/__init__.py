@@ -1,5 +1,7 @@
 """celery-redlock for asyncio: :class:`Lock` and :class:`Redlock` for ``redis.asyncio`` clients.
 
+:func:`drain` waits for round trips a Redlock left running in the background.
+
 Import it as ``celery_redlock.asyncio``; it never shadows the standard library's
 ``asyncio`` because every module of the package imports absolutely.
 """
@@ -8,5 +10,6 @@ from __future__ import annotations
 
 from .lock import Lock
 from .redlock import Redlock
+from .shielding import drain
 
-__all__ = ["Lock", "Redlock"]
+__all__ = ["Lock", "Redlock", "drain"]

@@ -9,6 +9,7 @@ from typing import Any, TypeVar, cast
 
 from redis.exceptions import RedisError
 
+from celery_redlock.context import holding
 from celery_redlock.decorator import (
     CallOptions,
     ClientResolver,
@@ -17,7 +18,6 @@ from celery_redlock.decorator import (
     released_badly,
     unprotected,
 )
-from celery_redlock.guard import _current
 from celery_redlock.holder import Holder
 from celery_redlock.keys import KeyBuilder
 
@@ -58,11 +58,11 @@ def wrap_async(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
             return conflict(options, key, lock.local.holder)
         lease = lock.lease
         # Each call runs in its caller's task, so the context variable is per task.
-        context = _current.set(lease)
+        assert lease is not None
         try:
-            return await func(*args, **kwargs)
+            with holding(lease):
+                return await func(*args, **kwargs)
         finally:
-            _current.reset(context)
             try:
                 await lock.release()
             except Exception as exc:  # the function's outcome stands; say what happened

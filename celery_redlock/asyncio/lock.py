@@ -30,14 +30,16 @@ from typing import Any, Literal, TypeVar, Union
 
 from redis.exceptions import RedisError
 
-from celery_redlock.exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.exceptions import LockError, LockNotAcquired, LockNotOwned
 from celery_redlock.lock import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_FENCE_RETENTION,
     Clock,
     Lease,
     LostCallback,
+    check_options,
     fence_key_for,
+    positive_seconds,
 )
 from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
 
@@ -53,25 +55,17 @@ Number = Union[int, float]
 _LockT = TypeVar("_LockT", bound="Lock")
 
 
-def _seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(setting, value, "must be a number of seconds")
-    if value <= 0 or int(value * 1000) < 1:
-        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
-    return float(value)
-
-
-class _TaskState:
+class TaskState:
     """What one task knows about its hold of one lock."""
 
-    __slots__ = ("holder", "lease", "renewal", "token")
+    __slots__ = ("failure", "holder", "lease", "renewal", "token")
 
     def __init__(self) -> None:
         self.token: bytes | None = None
         self.lease: Lease | None = None
         self.holder: tuple[str | None, float | None] | None = None
+        # Why the latest attempt failed, when a subclass knows more than the holder.
+        self.failure: LockError | None = None
         self.renewal: asyncio.Task[None] | None = None
 
 
@@ -127,24 +121,14 @@ class Lock:
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.timeout = _seconds("timeout", timeout, allow_none=True)
-        if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
-            raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
-        if blocking_timeout is not None and (
-            isinstance(blocking_timeout, bool)
-            or not isinstance(blocking_timeout, (int, float))
-            or blocking_timeout < 0
-        ):
-            raise ConfigurationError(
-                "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
-            )
-        if auto_renew and self.timeout is None:
-            raise ConfigurationError(
-                "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
-            )
-        if not 0 <= drift_factor < 0.5:
-            raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
-        _seconds("fence_retention", fence_retention, allow_none=False)
+        self.timeout = check_options(
+            timeout=timeout,
+            sleep=sleep,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            drift_factor=drift_factor,
+            fence_retention=fence_retention,
+        )
         self.redis = redis
         self.name = name
         self.sleep = sleep
@@ -161,17 +145,17 @@ class Lock:
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label
-        self._shared = None if self.thread_local else _TaskState()
+        self._shared = None if self.thread_local else TaskState()
         # Per-task states die with their tasks.
-        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], _TaskState] = (
+        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], TaskState] = (
             weakref.WeakKeyDictionary()
         )
         # Calls made outside any task (from a loop callback) share one state.
-        self._untasked = _TaskState()
+        self._untasked = TaskState()
 
     # -- per-task state ------------------------------------------------------------
 
-    def _state(self) -> _TaskState:
+    def _state(self) -> TaskState:
         """Return the state of the running task (the caller must be on a running loop)."""
         if self._shared is not None:
             return self._shared
@@ -180,10 +164,10 @@ class Lock:
             return self._untasked
         state = self._states.get(task)
         if state is None:
-            state = self._states[task] = _TaskState()
+            state = self._states[task] = TaskState()
         return state
 
-    def _bound(self) -> _TaskState | None:
+    def _bound(self) -> TaskState | None:
         """The caller's state if a loop runs now; ``None`` defers the lookup to the first await."""
         try:
             asyncio.get_running_loop()
@@ -192,7 +176,7 @@ class Lock:
         return self._state()
 
     @property
-    def local(self) -> _TaskState:
+    def local(self) -> TaskState:
         """The calling task's state (``token``, ``lease``, ``holder``), as redis-py's ``local``."""
         return self._state()
 
@@ -201,8 +185,12 @@ class Lock:
     async def __aenter__(self: _LockT) -> _LockT:
         if await self.acquire():
             return self
-        holder, holder_ttl = self._state().holder or (None, None)
-        raise LockNotAcquired(
+        raise self._not_acquired(self._state())
+
+    def _not_acquired(self, state: TaskState) -> LockError:
+        """Build the error an ``async with`` block raises when the lock could not be taken."""
+        holder, holder_ttl = state.holder or (None, None)
+        return LockNotAcquired(
             "Unable to acquire lock within the time specified",
             lock_name=self.name,
             holder=holder,
@@ -246,7 +234,7 @@ class Lock:
 
     async def _acquire(
         self,
-        state: _TaskState | None,
+        state: TaskState | None,
         sleep: Number | None,
         blocking: bool | None,
         blocking_timeout: Number | None,
@@ -287,7 +275,7 @@ class Lock:
         encoded: bytes = self.redis.get_encoder().encode(token)
         return encoded
 
-    async def _attempt(self, state: _TaskState, token: bytes) -> bool:
+    async def _attempt(self, state: TaskState, token: bytes) -> bool:
         """Make one attempt; on success store the new lease in ``state``."""
         sent_at = self._clock()
         attempt = detach(self._send_acquire(token))
@@ -300,9 +288,10 @@ class Lock:
             raise asyncio.CancelledError()
         acquired, reply = attempt.result()
         if not acquired:
-            state.holder = reply
+            self._refused(state, reply)
             return False
         state.holder = None
+        state.failure = None
         state.lease = Lease(
             client=self.redis,
             name=self.name,
@@ -317,6 +306,10 @@ class Lock:
             label=self.label,
         )
         return True
+
+    def _refused(self, state: TaskState, reply: Any) -> None:
+        """Record in ``state`` why an attempt failed, from ``_send_acquire``'s reply."""
+        state.holder = reply
 
     async def _send_acquire(self, token: bytes) -> tuple[bool, Any]:
         """One acquire round trip: ``(True, fence)`` or ``(False, (holder, holder_ttl))``."""
@@ -362,7 +355,7 @@ class Lock:
         """Return ``True`` if this task's token is the lock's value (one ``GET``)."""
         return self._owned(self._bound())
 
-    async def _owned(self, state: _TaskState | None) -> bool:
+    async def _owned(self, state: TaskState | None) -> bool:
         token = (state or self._state()).token
         if token is None:
             return False
@@ -383,7 +376,7 @@ class Lock:
         """
         return self._release(self._bound())
 
-    async def _release(self, state: _TaskState | None) -> None:
+    async def _release(self, state: TaskState | None) -> None:
         if state is None:
             state = self._state()
         token = state.token
@@ -434,14 +427,14 @@ class Lock:
         return self._extend(self._bound(), additional_time, replace_ttl)
 
     async def _extend(
-        self, state: _TaskState | None, additional_time: Number, replace_ttl: bool
+        self, state: TaskState | None, additional_time: Number, replace_ttl: bool
     ) -> Literal[True]:
         state = state or self._state()
         if state.token is None:
             raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
         if self.timeout is None:
             raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
-        _seconds("additional_time", additional_time, allow_none=False)
+        positive_seconds("additional_time", additional_time, allow_none=False)
         await self._renew(state, int(additional_time * 1000), replace_ttl, "extend")
         return True
 
@@ -454,7 +447,7 @@ class Lock:
         """
         return self._reacquire(self._bound())
 
-    async def _reacquire(self, state: _TaskState | None) -> Literal[True]:
+    async def _reacquire(self, state: TaskState | None) -> Literal[True]:
         state = state or self._state()
         if state.token is None:
             raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
@@ -463,7 +456,7 @@ class Lock:
         await self._renew(state, self._ttl_ms, True, "reacquire")
         return True
 
-    async def _renew(self, state: _TaskState, ms: int, replace: bool, operation: str) -> None:
+    async def _renew(self, state: TaskState, ms: int, replace: bool, operation: str) -> None:
         lease, token = state.lease, state.token
         assert lease is not None and token is not None
         sent_at = self._clock()

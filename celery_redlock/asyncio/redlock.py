@@ -2,57 +2,111 @@
 
 The asyncio counterpart of :class:`celery_redlock.Redlock`, built on
 :class:`celery_redlock.asyncio.Lock` (per-task state, renewal task,
-cancellation safety) with every round trip sent to all masters at once
-(``asyncio.gather``, each master bounded by the node timeout) and decided by a
-majority:
+cancellation safety). Each operation sends its request to every master at once,
+each in a task of its own, and is decided by a majority with the same rule as
+the thread version (:mod:`celery_redlock.quorum`): it returns as soon as a
+majority agreed, fails as soon as so many masters refused or failed that no
+majority is left, and otherwise waits at most the node timeout.
 
 - acquire: the fencing acquire script on every master; held when a majority
   granted it with validity left, ``ttl - elapsed - (ttl * drift + 2 ms)``
   counted from before sending. The fence handed out is the largest any master
   drew, raised on the masters that drew less until a majority holds it (the
-  ``RAISE_FENCE`` script). A failed attempt is released on every master that
-  granted it or did not answer.
+  ``RAISE_FENCE`` script). A failed attempt raises (in ``async with``)
+  :class:`~celery_redlock.exceptions.QuorumNotAchieved` with each master's reason.
 - release / extend / reacquire / renewal: compare-and-delete or
   compare-and-``PEXPIRE`` on every master; a majority must agree.
 
-Unlike the thread version it waits for every master (up to the node timeout)
-rather than returning as soon as the vote is decided.
+Requests are never cancelled when the vote no longer waits for them: a command
+already written to a hung master runs when the master resumes, cancelled or
+not, so its reply is awaited instead, in the background. Requests for one lock
+key through one client object are sent in order: each waits until the one
+before it has answered (or failed). So the release of an acquisition, whether
+after a failed attempt or when the lock is released while a master has still
+not answered the acquire, reaches that master after the acquire, and a late
+grant is deleted as soon as it is made; and an acquire right after a release
+never meets the released key on a master the release did not wait for. Two
+cases escape this: the client's own ``socket_timeout`` ending the wait for the
+acquire first (the release is then sent on another connection, which the
+master may run before the acquire), and the event loop closing while the
+acquire is unanswered (no release is sent; await :func:`~.shielding.drain`
+before closing it). A grant made after either expires with the lock's TTL,
+counted from when the master ran it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+import weakref
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, Callable
 
-from celery_redlock.exceptions import (
-    ConfigurationError,
-    LockError,
-    LockNotAcquired,
-    QuorumNotAchieved,
-)
+from celery_redlock.exceptions import ConfigurationError, LockError, LockNotOwned, QuorumNotAchieved
+from celery_redlock.fanout import NOT_ASKED, PENDING
 from celery_redlock.lock import Lease, Number
-from celery_redlock.quorum import default_node_timeout
+from celery_redlock.nodes import node_address
+from celery_redlock.quorum import Votes, check_node_timeout, lost_vote
+from celery_redlock.replies import (
+    Holder,
+    as_bytes,
+    holder_of,
+    most_common_holder,
+    refusal_of_acquire,
+)
 from celery_redlock.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
-from .lock import Lock
+from .lock import Lock, TaskState
 from .renewal import Renewer
 from .scripts import run_script
+from .shielding import detach
 
 __all__ = ["Redlock"]
 
+#: One master's request: given the master's client, the coroutine to run.
+Request = Callable[[Any], Awaitable[Any]]
+Settle = Callable[[int, Any], bool]
+
 
 def _node_name(client: Any) -> str:
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-    if "path" in kwargs:
-        return f"unix://{kwargs['path']}/{kwargs.get('db', 0)}"
-    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}/{kwargs.get('db', 0)}"
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
+    return repr(client) if kwargs is None else node_address(kwargs)
 
 
-def _text(value: Any) -> str | None:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+# The latest request for each lock key through each client, which the next
+# request for that key waits for. Weak keys: the entry goes with the client.
+_latest: weakref.WeakKeyDictionary[Any, dict[str, asyncio.Task[Any]]] = weakref.WeakKeyDictionary()
+
+
+def _queue_of(client: Any) -> dict[str, asyncio.Task[Any]]:
+    queue = _latest.get(client)
+    if queue is None:
+        queue = _latest[client] = {}
+    return queue
+
+
+def _finished(queue: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:
+    if queue.get(key) is task:
+        del queue[key]
+    # A request nobody waited for may fail later (its master died): its error
+    # was either counted or does not matter, and asyncio must not log it as lost.
+    if not task.cancelled():
+        task.exception()
+
+
+def _script(script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
+    return lambda client: run_script(script, client, keys, args)
+
+
+class _Round:
+    """One request sent to some masters, each in a task of its own."""
+
+    def __init__(self, size: int, tasks: dict[int, asyncio.Task[Any]]) -> None:
+        self.tasks = tasks
+        self.outcomes: list[Any] = [PENDING if i in tasks else NOT_ASKED for i in range(size)]
+        self.expired = False
 
 
 class _Masters:
@@ -64,47 +118,93 @@ class _Masters:
         self.name = name
         self.timeout = timeout
         self.quorum = len(clients) // 2 + 1
+        self._queues: list[dict[str, asyncio.Task[Any]]] = [{} for _ in clients]
 
-    async def _one(self, i: int, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
-        try:
-            return await asyncio.wait_for(
-                run_script(script, self.clients[i], keys, args), self.timeout
-            )
-        except asyncio.TimeoutError:
-            return TimeoutError(f"no answer within {self.timeout} s")
-        except Exception as exc:  # one master's failure is a vote, not an error
-            return exc
+    def send(self, request: Request, only: Sequence[int] | None = None) -> _Round:
+        """Start ``request`` on every master (or those in ``only``), without waiting.
 
-    async def ask(
-        self,
-        script: Script,
-        keys: Sequence[Arg],
-        args: Sequence[Arg],
-        only: Sequence[int] | None = None,
-    ) -> dict[int, Any]:
-        """Send the script to every master (or those in ``only``); reply or exception by index."""
+        Each master gets it once the previous request for this key through the
+        same client has answered or failed, so a master runs them in order.
+        """
         targets = range(len(self.clients)) if only is None else only
-        replies = await asyncio.gather(*(self._one(i, script, keys, args) for i in targets))
-        return dict(zip(targets, replies))
+        tasks = {}
+        for i in targets:
+            client = self.clients[i]
+            try:
+                queue = _queue_of(client)
+            except TypeError:  # a client that cannot be weakly referenced
+                queue = self._queues[i]
+            task = detach(self._one(client, request, queue.get(self.name)))
+            queue[self.name] = task
+            task.add_done_callback(functools.partial(_finished, queue, self.name))
+            tasks[i] = task
+        return _Round(len(self.clients), tasks)
+
+    @staticmethod
+    async def _one(client: Any, request: Request, before: asyncio.Task[Any] | None) -> Any:
+        if (
+            before is not None
+            and not before.done()
+            and before.get_loop() is asyncio.get_running_loop()
+        ):
+            await asyncio.wait([before])
+        return await request(client)
+
+    async def collect(self, round_: _Round, settle: Settle | None = None) -> None:
+        """Wait for replies, passing each to ``settle(index, reply or error)``.
+
+        Stops once ``settle`` returned ``True``, once every master has answered,
+        or at the node timeout. Requests still running go on: see the module's
+        docstring for why they are not cancelled.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        index = {task: i for i, task in round_.tasks.items()}
+        waiting = set(index)
+        while waiting:
+            left = deadline - loop.time()
+            if left <= 0:
+                round_.expired = True
+                return
+            done, waiting = await asyncio.wait(
+                waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            decided = False
+            for i in sorted(index[task] for task in done):
+                task = round_.tasks[i]
+                outcome = (
+                    asyncio.CancelledError() if task.cancelled() else task.exception()
+                ) or task.result()
+                round_.outcomes[i] = outcome
+                if settle is not None and settle(i, outcome):
+                    decided = True
+            if decided:
+                return
+
+    async def vote(
+        self,
+        request: Request,
+        agrees: Callable[[int, Any], bool],
+    ) -> tuple[_Round, Votes]:
+        """Send ``request`` to every master and count until a majority is won or lost."""
+        votes = Votes(len(self.clients))
+        round_ = self.send(request)
+        await self.collect(round_, votes.settle(agrees))
+        return round_, votes
 
     def failure(
-        self, message: str, replies: dict[int, Any], agreed: int, refusal: Any
+        self, message: str, round_: _Round, votes: Votes, refusal: Callable[[Any], Any]
     ) -> QuorumNotAchieved:
-        """The error of a vote that did not reach a majority, with each master's reason."""
-        errors: dict[str, BaseException] = {}
-        for i, reply in replies.items():
-            if isinstance(reply, BaseException):
-                errors[self.names[i]] = reply
-            else:
-                reason = refusal(reply)
-                if reason is not None:
-                    errors[self.names[i]] = reason
-        return QuorumNotAchieved(
-            f"{message}: {agreed} of {len(self.clients)} masters agreed, {self.quorum} needed",
-            lock_name=self.name,
-            errors=errors,
-            granted=agreed,
-            needed=self.quorum,
+        """The error of a lost vote, with each master's reason (as the thread version's)."""
+        return lost_vote(
+            message,
+            self.name,
+            self.names,
+            round_.outcomes,
+            votes,
+            refusal,
+            self.timeout,
+            round_.expired,
         )
 
     async def renew(self, lease: Lease, ms: int, replace: bool = True) -> int:
@@ -113,24 +213,29 @@ class _Masters:
         Raises:
             QuorumNotAchieved: If too few masters answered to tell.
         """
-        replies = await self.ask(RENEW, (lease.name,), ("1" if replace else "0", lease.token, ms))
-        pttls = [
-            int(reply[0])
-            for reply in replies.values()
-            if isinstance(reply, list) and int(reply[0]) > 0
-        ]
-        if len(pttls) >= self.quorum:
+        pttls: list[int] = []
+
+        def agrees(i: int, reply: Any) -> bool:
+            if reply and int(reply[0]) > 0:
+                pttls.append(int(reply[0]))
+                return True
+            return False
+
+        request = _script(RENEW, (lease.name,), ("1" if replace else "0", lease.token, ms))
+        round_, votes = await self.vote(request, agrees)
+        if votes.won:
             return min(pttls)
-        refused = sum(1 for reply in replies.values() if isinstance(reply, list) and not reply[0])
-        if refused >= self.quorum:
+        if votes.refused_by_majority:
             # Masters that still hold our token would keep others out until it expires.
-            await self.ask(RELEASE, (lease.name,), (lease.token,))
+            self.send(_script(RELEASE, (lease.name,), (lease.token,)))
             return 0
         raise self.failure(
             f"Cannot renew lock {lease.name}",
-            replies,
-            len(pttls),
-            lambda reply: None if reply and int(reply[0]) > 0 else LockError("not ours"),
+            round_,
+            votes,
+            lambda reply: (
+                None if reply and int(reply[0]) > 0 else LockNotOwned("not ours", self.name)
+            ),
         )
 
 
@@ -139,7 +244,11 @@ class Redlock(Lock):
 
     After ``masters`` it takes :class:`celery_redlock.asyncio.Lock`'s arguments;
     ``sleep`` is the mean pause between attempts (each drawn between half and
-    one and a half of it, so contenders stop splitting the vote).
+    one and a half of it, so contenders stop splitting the vote). As with
+    :class:`celery_redlock.Redlock`, an ``async with`` block that cannot take
+    the lock raises :class:`~celery_redlock.exceptions.QuorumNotAchieved`
+    (not :class:`~celery_redlock.exceptions.LockNotAcquired`), whose ``errors``
+    give each master's reason and ``holder`` the value most masters hold.
 
     Args:
         masters: ``redis.asyncio.Redis`` clients, one per independent master.
@@ -164,18 +273,7 @@ class Redlock(Lock):
         if isinstance(masters, (str, bytes)) or not masters:
             raise ConfigurationError("masters", masters, "must be a non-empty list of clients")
         super().__init__(masters[0], name, *args, **options)
-        if node_timeout is None:
-            node_timeout = default_node_timeout(self.timeout)
-        elif (
-            isinstance(node_timeout, bool)
-            or not isinstance(node_timeout, (int, float))
-            or node_timeout <= 0
-            or (self.timeout is not None and node_timeout >= self.timeout)
-        ):
-            raise ConfigurationError(
-                "node_timeout", node_timeout, "must be positive and shorter than the timeout"
-            )
-        self.node_timeout = float(node_timeout)
+        self.node_timeout = check_node_timeout(node_timeout, self.timeout)
         self._masters = _Masters(masters, name, self.node_timeout)
         twice = [n for n, count in Counter(self._masters.names).items() if count > 1]
         if twice:
@@ -187,7 +285,13 @@ class Redlock(Lock):
         """How many masters must agree: more than half of them."""
         return self._masters.quorum
 
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The masters' names, as used in :attr:`QuorumNotAchieved.errors`."""
+        return self._masters.names
+
     def _retry_delay(self, sleep: Number) -> float:
+        # Contenders retrying in step keep splitting the vote (not a secret: ``random`` is fine).
         return float(sleep) * random.uniform(0.5, 1.5)
 
     def _encode_token(self, token: str | bytes) -> bytes:
@@ -197,132 +301,180 @@ class Redlock(Lock):
     def _renewer(self) -> Renewer:
         return self._masters.renew
 
+    def _refused(self, state: TaskState, reply: Any) -> None:
+        failure: QuorumNotAchieved = reply
+        state.failure = failure
+        state.holder = None if failure.holder is None else (failure.holder, failure.holder_ttl)
+
+    def _not_acquired(self, state: TaskState) -> LockError:
+        if state.failure is not None:
+            return state.failure
+        return QuorumNotAchieved(
+            f"Unable to acquire lock {self.name} within the time specified", lock_name=self.name
+        )
+
     async def _send_acquire(self, token: bytes) -> tuple[bool, Any]:
         masters = self._masters
         sent_at = self._clock()
+        fences: dict[int, int] = {}
+        granted: set[int] = set()
+        holders: list[Holder] = []
+
+        def agrees(i: int, reply: Any) -> bool:
+            if isinstance(reply, list):  # the script's "held by" answer
+                holders.append(holder_of(reply))
+                return False
+            if self.fencing:
+                fences[i] = int(reply)
+            granted.add(i)
+            return True
+
         if self.fencing:
             keys: tuple[Arg, ...] = (self.name, self.fence_key)
-            replies = await masters.ask(
-                ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms)
-            )
+            request = _script(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms))
         else:
-            replies = await masters.ask(_SET_NX, (self.name,), (token, self._ttl_ms))
-        fences = {
-            i: int(reply)
-            for i, reply in replies.items()
-            if not isinstance(reply, (BaseException, list)) and reply
-        }
-        holders = [reply for reply in replies.values() if isinstance(reply, list)]
+            request = _script(_SET_NX, (self.name,), (token, self._ttl_ms))
+        grant, votes = await masters.vote(request, agrees)
         fence: int | None = None
         failure: QuorumNotAchieved | None = None
-        if len(fences) < masters.quorum:
-            failure = masters.failure(
-                f"Lock {self.name} not acquired", replies, len(fences), self._refusal
-            )
+        if not votes.won:
+            failure = masters.failure(f"Lock {self.name} not acquired", grant, votes, self._refusal)
         elif self.fencing:
             fence, failure = await self._hand_out_fence(token, fences)
-        if failure is None:
-            validity = self.timeout
-            if validity is not None:
-                left = sent_at + validity - (validity * self.drift_factor + 0.002)
-                if left <= self._clock():
-                    failure = QuorumNotAchieved(
-                        f"Lock {self.name} not acquired: the majority agreed too late "
-                        "to leave any validity",
-                        lock_name=self.name,
-                        granted=len(fences),
-                        needed=masters.quorum,
-                    )
+        if failure is None and self.timeout is not None:
+            left = sent_at + self.timeout - (self.timeout * self.drift_factor + 0.002)
+            if left <= self._clock():
+                failure = QuorumNotAchieved(
+                    f"Lock {self.name} not acquired: the majority agreed after "
+                    f"{(self._clock() - sent_at) * 1000:.1f} ms, leaving no validity "
+                    f"of the {self.timeout} s TTL",
+                    lock_name=self.name,
+                    granted=votes.granted,
+                    needed=votes.needed,
+                )
         if failure is not None:
-            # Masters that granted it, or may have before failing, must give it back.
-            undo = [
-                i for i, reply in replies.items() if i in fences or isinstance(reply, BaseException)
-            ]
-            if undo:
-                await masters.ask(RELEASE, (self.name,), (token,), only=undo)
-            holder = self._holder_summary(holders)
-            failure.holder, failure.holder_ttl = holder
-            return False, holder
+            await self._undo_grants(grant, granted, token)
+            failure.holder, failure.holder_ttl = (
+                most_common_holder(holders) if holders else (None, None)
+            )
+            return False, failure
         return True, fence
 
-    @staticmethod
-    def _holder_summary(holders: list[Any]) -> tuple[str | None, float | None]:
-        if not holders:
-            return None, None
-        value = Counter(_text(reply[1]) for reply in holders).most_common(1)[0][0]
-        ttls = [reply[0] / 1000 for reply in holders if _text(reply[1]) == value and reply[0] >= 0]
-        return value, max(ttls) if ttls else None
-
     def _refusal(self, reply: Any) -> LockError | None:
-        if isinstance(reply, list):
-            return LockNotAcquired(
-                f"held by {_text(reply[1])!r}", lock_name=self.name, holder=_text(reply[1])
-            )
-        return LockNotAcquired("held by another token", lock_name=self.name)
+        return refusal_of_acquire(self.name, reply)
+
+    async def _undo_grants(self, grant: _Round, granted: set[int], token: bytes) -> None:
+        """Release a failed acquisition on every master that holds or may yet hold it.
+
+        Masters that said yes are released at once and awaited (within the node
+        timeout), so a failed attempt leaves no key on a master that answered.
+        Masters that failed may have run the acquire before failing, and those
+        that have not answered may still run it: they get the release too,
+        behind the acquire, and neither is awaited.
+        """
+        undo = [
+            i
+            for i, outcome in enumerate(grant.outcomes)
+            if i in granted or outcome is PENDING or isinstance(outcome, BaseException)
+        ]
+        if not undo:
+            return
+        release = self._masters.send(_script(RELEASE, (self.name,), (token,)), only=undo)
+        awaited = _Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
+        await self._masters.collect(awaited)
 
     async def _hand_out_fence(
         self, token: bytes, fences: dict[int, int]
     ) -> tuple[int | None, QuorumNotAchieved | None]:
         """Hand out the largest fence drawn, once a majority of counters holds it."""
         fence = max(fences.values())
-        holding = [i for i, drawn in fences.items() if drawn == fence]
-        if len(holding) >= self._masters.quorum:
+        votes = Votes(len(self._masters.clients), sum(1 for f in fences.values() if f == fence))
+        if votes.won:
             return fence, None
-        others = [i for i in range(len(self._masters.clients)) if i not in holding]
-        replies = await self._masters.ask(
-            RAISE_FENCE,
-            (self.name, self.fence_key),
-            (token, fence, self._fence_retention_ms),
-            only=others,
+        others = [i for i in range(votes.size) if fences.get(i) != fence]
+        request = _script(
+            RAISE_FENCE, (self.name, self.fence_key), (token, fence, self._fence_retention_ms)
         )
-        raised = len(holding) + sum(1 for reply in replies.values() if reply == 1)
-        if raised >= self._masters.quorum:
+        raise_ = self._masters.send(request, only=others)
+        await self._masters.collect(raise_, votes.settle(lambda i, reply: reply == 1))
+        if votes.won:
             return fence, None
         return None, self._masters.failure(
             f"Lock {self.name} not acquired: fence {fence} not recorded",
-            replies,
-            raised,
+            raise_,
+            votes,
             lambda reply: None if reply == 1 else LockError("counter not raised", self.name),
         )
 
     async def _send_release(self, token: bytes) -> bool:
-        replies = await self._masters.ask(RELEASE, (self.name,), (token,))
-        released = sum(1 for reply in replies.values() if reply == 1)
-        if released >= self.quorum:
+        round_, votes = await self._masters.vote(
+            _script(RELEASE, (self.name,), (token,)),
+            lambda i, reply: reply == 1,
+        )
+        if votes.won:
             return True
-        refused = sum(1 for reply in replies.values() if reply == 0)
-        if refused >= self.quorum:
+        if votes.refused_by_majority:
             return False
         raise self._masters.failure(
             f"Cannot release lock {self.name}",
-            replies,
-            released,
-            lambda reply: None if reply == 1 else LockError("the token is not there", self.name),
+            round_,
+            votes,
+            lambda reply: None if reply == 1 else LockNotOwned("the token is not there", self.name),
         )
 
     async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:
         return await self._masters.renew(lease, ms, replace)
 
     async def locked(self) -> bool:
-        """Return ``True`` if one value is stored under the name on a majority of masters."""
-        values = await asyncio.gather(
-            *(self._get(client) for client in self._masters.clients), return_exceptions=True
-        )
-        counts = Counter(v for v in values if v is not None and not isinstance(v, BaseException))
-        return max(counts.values(), default=0) >= self.quorum
+        """Return ``True`` if one value is stored under the name on a majority of masters.
 
-    async def _owned(self, state: Any) -> bool:
+        Raises:
+            QuorumNotAchieved: If too few masters answered to tell.
+        """
+        values: Counter[Any] = Counter()
+        failed = 0
+
+        def settle(i: int, outcome: Any) -> bool:
+            nonlocal failed
+            if isinstance(outcome, BaseException):
+                failed += 1
+            elif outcome is not None:
+                values[as_bytes(outcome)] += 1
+            return max(values.values(), default=0) >= self.quorum
+
+        round_ = self._masters.send(self._get)
+        await self._masters.collect(round_, settle)
+        best = max(values.values(), default=0)
+        if best >= self.quorum:
+            return True
+        unanswered = sum(1 for outcome in round_.outcomes if outcome is PENDING)
+        if best + failed + unanswered >= self.quorum:
+            raise self._masters.failure(
+                f"Cannot tell whether lock {self.name} is held",
+                round_,
+                Votes(len(self._masters.clients), best),
+                lambda reply: None,
+            )
+        return False
+
+    async def _owned(self, state: TaskState | None) -> bool:
         token = (state or self._state()).token
         if token is None:
             return False
-        values = await asyncio.gather(
-            *(self._get(client) for client in self._masters.clients), return_exceptions=True
+        round_, votes = await self._masters.vote(
+            self._get, lambda i, value: as_bytes(value) == token
         )
-        return sum(1 for value in values if value == token) >= self.quorum
+        if votes.won or votes.refused_by_majority:
+            return votes.won
+        raise self._masters.failure(
+            f"Cannot tell whether lock {self.name} is owned",
+            round_,
+            votes,
+            lambda value: None if as_bytes(value) == token else LockNotOwned("not ours"),
+        )
 
-    async def _get(self, client: Any) -> bytes | None:
-        value = await asyncio.wait_for(client.get(self.name), self.node_timeout)
-        return value.encode() if isinstance(value, str) else value
+    async def _get(self, client: Any) -> Any:
+        return await client.get(self.name)
 
     def __repr__(self) -> str:
         return (
@@ -332,7 +484,7 @@ class Redlock(Lock):
 
 
 # SET NX for Redlock without fencing, as a script so that every master's vote
-# comes back through one path.
+# comes back through one path (and a refusal names the holder, as ACQUIRE does).
 #
 # KEYS[1]  lock key
 # ARGV[1]  token

@@ -62,15 +62,7 @@ async def keep_alive(lease: Lease, renew: Renewer, clock: Any) -> None:
     due = clock() + ttl / 3
     while True:
         await asyncio.sleep(max(0.0, due - clock()))
-        if lease.released or lease.lost:
-            return
-        if lease.abandoned:
-            logger.warning(
-                "%s was garbage-collected while held; letting it expire", lease.describe()
-            )
-            return
-        if lease.remaining() <= 0.0:
-            lease.mark_lost("validity expired before it could be renewed")
+        if not lease.still_to_renew():
             return
         sent_at = clock()
         try:

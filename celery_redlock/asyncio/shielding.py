@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["detach", "settle"]
+__all__ = ["detach", "drain", "settle"]
 
 T = TypeVar("T")
 
@@ -50,3 +50,25 @@ async def settle(task: asyncio.Future[T]) -> bool:
         except Exception:
             pass  # the outcome stays on the task, for the caller to read
     return cancelled
+
+
+async def drain(timeout: float | None = None) -> bool:
+    """Wait for the lock's round trips still running in the background on this loop.
+
+    Redlock leaves a request to a slow master running after the vote is
+    decided, and sends a late release behind it (see
+    :mod:`celery_redlock.asyncio.redlock`). Await this before closing the
+    clients or the event loop, so those releases go out. Returns ``True`` if
+    all finished, ``False`` if ``timeout`` seconds passed first.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    while True:
+        ours = [task for task in _running if task.get_loop() is loop]
+        if not ours:
+            return True
+        left = None if deadline is None else deadline - loop.time()
+        if left is not None and left <= 0:
+            return False
+        # A finished request can start its follow-up: look again until none is left.
+        await asyncio.wait(ours, timeout=left)

@@ -7,7 +7,10 @@ Configured from the environment, like :mod:`tests.celery_apps.storm`:
 ``REDLOCK_TEST_BACKEND``
     Result backend URL; also where histories and the fenced store live.
 ``REDLOCK_TEST_LOCK_URL``
-    Lock store (a private redis-server the suite restarts, freezes and flushes).
+    Lock store: one URL (a private redis-server the suite restarts, freezes and
+    flushes), or a JSON list of URLs (Redlock over private masters). The
+    lock-window task is registered only on a single store, the one topology
+    enqueue modes run on.
 ``REDLOCK_TEST_PREFIX``
     Key prefix of the locks and of the broker's and backend's keys.
 ``REDLOCK_TEST_QUEUE``
@@ -19,18 +22,23 @@ workers serves every scenario and each run's history stays apart.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery import signals as celery_signals
 
 from celery_redlock import SingletonTask, current_lock
 from tests.celery_apps.storm import WakeUp
-from tests.chaos.history import FencedStore, hold, watched_execution
+from tests.chaos.history import FencedStore, hold, record_prerun, watched_execution
 
-__all__ = ["LOCK_TTL", "create_app", "environment"]
+__all__ = ["LOCK_TTL", "WINDOW_TASK", "create_app", "environment", "lock_store_setting"]
+
+#: The task that runs in the until_and_while_executing window.
+WINDOW_TASK = "chaos.window"
 
 #: TTL of the chaos tasks' locks: short, so faults beyond it fit in a lean suite.
 LOCK_TTL = 1.0
@@ -54,16 +62,26 @@ _LOCK_OPTIONS: dict[str, Any] = {
 
 
 def environment(
-    *, broker: str, backend: str, lock_url: str, prefix: str, queue: str
+    *, broker: str, backend: str, lock_url: str | Sequence[str], prefix: str, queue: str
 ) -> dict[str, str]:
-    """The environment variables that configure the app."""
+    """The environment variables that configure the app (a list of URLs means Redlock)."""
     return {
         "REDLOCK_TEST_BROKER": broker,
         "REDLOCK_TEST_BACKEND": backend,
-        "REDLOCK_TEST_LOCK_URL": lock_url,
+        "REDLOCK_TEST_LOCK_URL": lock_url if isinstance(lock_url, str) else json.dumps(lock_url),
         "REDLOCK_TEST_PREFIX": prefix,
         "REDLOCK_TEST_QUEUE": queue,
     }
+
+
+def lock_store_setting(value: str) -> str | list[str]:
+    """``redlock_url`` from ``REDLOCK_TEST_LOCK_URL``: one URL, or a list from a JSON array."""
+    if not value.startswith("["):
+        return value
+    urls = json.loads(value)
+    if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
+        raise ValueError(f"REDLOCK_TEST_LOCK_URL is not a JSON list of URLs: {value!r}")
+    return urls
 
 
 def create_app(env: Mapping[str, str]) -> Celery:
@@ -72,10 +90,11 @@ def create_app(env: Mapping[str, str]) -> Celery:
     backend = env["REDLOCK_TEST_BACKEND"]
     app = Celery(f"chaos-{prefix}", set_as_current=False)
     keyprefix = {"global_keyprefix": f"{prefix}:"}
+    lock_url = lock_store_setting(env["REDLOCK_TEST_LOCK_URL"])
     app.conf.update(
         broker_url=env["REDLOCK_TEST_BROKER"],
         result_backend=backend,
-        redlock_url=env["REDLOCK_TEST_LOCK_URL"],
+        redlock_url=lock_url,
         redlock_key_prefix=prefix,
         task_default_queue=env["REDLOCK_TEST_QUEUE"],
         control_exchange=f"{prefix}.ctl",
@@ -100,6 +119,8 @@ def create_app(env: Mapping[str, str]) -> Celery:
         worker_lost_wait=1.0,
     )
     _register_tasks(app)
+    if isinstance(lock_url, str):
+        _register_window_task(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
@@ -137,6 +158,30 @@ def _register_tasks(app: Celery) -> None:
     def work_early(self: Task, run: str, resource: str, seconds: float) -> str:
         """As ``work``, but acked when it starts: a killed run is gone for good."""
         return _work(self, run, seconds)
+
+
+def _register_window_task(app: Celery) -> None:
+    @app.task(
+        name=WINDOW_TASK,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        lock_mode="until_and_while_executing",
+        lock_on_duplicate="return_existing",
+        **_LOCK_OPTIONS,
+    )
+    def window(self: Task, run: str, resource: str, seconds: float) -> str:
+        """As ``work``, with at most one copy per key waiting and at most one running."""
+        return _work(self, run, seconds)
+
+    # task_prerun comes before the lock is taken, so before the copy's
+    # reservation is handed over: the test orders it against the next publish.
+    # (The sender is matched by name: before the app is finalized ``window``
+    # is a proxy, not the task object the signal is sent with.)
+    def prerun(sender: Any = None, task_id: Any = None, args: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == WINDOW_TASK and sender.app is app and args:
+            record_prerun(_history(sender), str(args[0]), str(task_id))
+
+    celery_signals.task_prerun.connect(prerun, weak=False)
 
 
 def __getattr__(name: str) -> Any:

@@ -31,9 +31,9 @@ from typing import Any
 
 import redis
 
-from tests.chaos.history import FencedStore, execution_key, executions_key, outcomes_key
+from tests.chaos.history import FencedStore, execution_key, executions_key
 
-__all__ = ["Execution", "Verdict", "Write", "check", "load_executions", "load_outcomes", "settle"]
+__all__ = ["Execution", "Verdict", "Write", "check", "load_executions", "settle"]
 
 #: Result states that count as "skipped by policy".
 SKIPPED_STATES = frozenset({"SKIPPED"})
@@ -126,16 +126,6 @@ def load_executions(client: redis.Redis, run: str) -> list[Execution]:
     for execution_id in ids:
         pipe.hgetall(execution_key(run, execution_id))
     return [Execution.from_hash(i, data) for i, data in zip(ids, pipe.execute())]
-
-
-def load_outcomes(client: redis.Redis, run: str) -> dict[str, tuple[str, Any]]:
-    """Outcomes reported with :func:`tests.chaos.history.record_outcome`: id -> (state, info)."""
-    raw = client.hgetall(outcomes_key(run))
-    outcomes = {}
-    for task_id, value in raw.items():
-        data = json.loads(value)
-        outcomes[task_id.decode()] = (data["state"], data["info"])
-    return outcomes
 
 
 def settle(

@@ -1,21 +1,23 @@
 """Fixtures of the chaos suite, and the hook that prints (and documents) its summary table.
 
-The Celery scenarios share one set of servers and workers, started once per
-module, because starting three workers costs more than most scenarios: a
-private redis-server as the lock store, a private redis-server as the broker
-(with an append-only file, so restarting it drops connections but keeps the
-queues), and three prefork workers with two pool processes each. Results,
-histories and the fenced store live in db 9 of the shared Redis under the
-module's key prefix, which no fault touches. Each scenario names its own run
-prefix, so histories never mix.
+The scenarios of a module share one set of servers and workers, started once
+per module, because starting three workers costs more than most scenarios:
+private redis-servers as the lock store (one server, or five Redlock
+masters), a private redis-server as the broker (with an append-only file, so
+restarting it drops connections but keeps the queues), and three prefork
+workers with two pool processes each. Results, histories and the fenced store
+live in db 9 of the shared Redis under the module's key prefix, which no fault
+touches. Each scenario names its own run prefix, so histories never mix.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,8 @@ APP_MODULE = "tests.celery_apps.chaos"
 REPEATS = 2
 WORKERS = 3
 CONCURRENCY = 2
+#: Masters of the Redlock lock store.
+MASTERS = 5
 #: States after which a task will not change any more.
 SETTLED = frozenset({"SUCCESS", "FAILURE", "SKIPPED"})
 
@@ -53,7 +57,8 @@ class CeleryChaos:
     """The servers and workers the Celery scenarios fault.
 
     Attributes:
-        lock_store: The private redis-server holding the locks.
+        lock_stores: The private redis-servers holding the locks: one, or the
+            Redlock masters.
         broker: The private redis-server the workers consume from.
         app: The test process's twin of the workers' app (sends, reads results).
         workers: The three workers.
@@ -61,7 +66,7 @@ class CeleryChaos:
         prefix: The module's key prefix.
     """
 
-    lock_store: RedisServer
+    lock_stores: list[RedisServer]
     broker: RedisServer
     app: Celery
     workers: list[CeleryWorker]
@@ -70,6 +75,12 @@ class CeleryChaos:
     env: dict[str, str]
     log_dir: Path
     runs: list[str] = field(default_factory=list)
+
+    @property
+    def lock_store(self) -> RedisServer:
+        """The one lock store (not for Redlock, which has several)."""
+        (store,) = self.lock_stores
+        return store
 
     def new_run(self) -> str:
         """A fresh key prefix for one scenario run."""
@@ -150,31 +161,33 @@ def _worker(env: dict[str, str], prefix: str, log_dir: Path, name: str) -> Celer
     )
 
 
-@pytest.fixture(scope="module")
-def celery_chaos(
-    redis_server_binary: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[CeleryChaos]:
-    """Private lock store and broker, and three prefork workers of the chaos app."""
-    base = tmp_path_factory.mktemp("chaos")
+@contextmanager
+def chaos_workers(binary: str, base: Path, lock_stores: list[RedisServer]) -> Iterator[CeleryChaos]:
+    """A private broker and three prefork workers of the chaos app on ``lock_stores``.
+
+    The lock stores are built (not started) by the caller: one server, or
+    Redlock masters. Everything started here is stopped by pid on exit.
+    """
     prefix = f"rlc-{uuid.uuid4().hex[:12]}"
     db9 = redis.Redis.from_url(REDIS_URL)
-    lock_store = RedisServer(redis_server_binary, workdir=base / "lock-store")
     # fsync on every write: a restart of the broker then loses no message, and
     # the scenario is about dropped connections, not about broker durability.
     broker = RedisServer(
-        redis_server_binary,
+        binary,
         workdir=base / "broker",
         extra_args=("--appendonly", "yes", "--appendfsync", "always"),
     )
     workers: list[CeleryWorker] = []
     app = None
     try:
-        lock_store.start()
+        for store in lock_stores:
+            store.start()
         broker.start()
+        urls = [store.url for store in lock_stores]
         env = chaos.environment(
             broker=broker.url,
             backend=REDIS_URL,
-            lock_url=lock_store.url,
+            lock_url=urls[0] if len(urls) == 1 else urls,
             prefix=prefix,
             queue=f"{prefix}.q",
         )
@@ -185,7 +198,7 @@ def celery_chaos(
         except WorkerError as exc:
             pytest.fail(str(exc), pytrace=False)
         chaos_state = CeleryChaos(
-            lock_store, broker, app, workers, db9, prefix, env, base / "workers"
+            lock_stores, broker, app, workers, db9, prefix, env, base / "workers"
         )
         yield chaos_state
         # Replacements started during the run are stopped as well.
@@ -199,12 +212,41 @@ def celery_chaos(
             app.close()
         delete_prefixed_keys(db9, prefix)
         db9.close()
-        lock_store.close()
+        for store in lock_stores:
+            store.close()
         broker.close()
 
 
+@pytest.fixture(scope="module")
+def celery_chaos(
+    redis_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryChaos]:
+    """Workers whose lock store is one private redis-server."""
+    base = tmp_path_factory.mktemp("chaos")
+    lock_store = RedisServer(redis_server_binary, workdir=base / "lock-store")
+    with chaos_workers(redis_server_binary, base, [lock_store]) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def redlock_chaos(
+    redis_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryChaos]:
+    """Workers whose lock store is Redlock over five private masters (no persistence)."""
+    base = tmp_path_factory.mktemp("chaos-redlock")
+    masters = [
+        RedisServer(redis_server_binary, workdir=base / f"master{i}") for i in range(MASTERS)
+    ]
+    with chaos_workers(redis_server_binary, base, masters) as state:
+        yield state
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Print the chaos table after the run; write it to docs/chaos.md when it is complete."""
+    """Print the chaos table after the run.
+
+    With ``REDLOCK_CHAOS_UPDATE_DOCS=1`` a complete table is also written to
+    docs/chaos.md; a plain test run (CI) never changes the working tree.
+    """
     table = report.rows()
     if not table:
         return
@@ -212,5 +254,5 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for line in report.render(table).splitlines():
         terminalreporter.write_line(line)
     stamp = f"Last run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
-    if report.update_doc(table, stamp):
+    if os.environ.get("REDLOCK_CHAOS_UPDATE_DOCS") == "1" and report.update_doc(table, stamp):
         terminalreporter.write_line(f"(written to {Path(report.DOC).name})")

@@ -1,7 +1,7 @@
 """What a chaos-test execution writes while it runs, and the fenced store it writes to.
 
-Imported by worker processes and Redlock driver processes as well as by the
-tests, so it depends on nothing but redis-py.
+Imported by worker processes as well as by the tests, so it depends on
+nothing but redis-py.
 
 Everything lives in one Redis that no fault touches (db 9 of the shared
 server), under the key prefix of one scenario run:
@@ -18,9 +18,9 @@ server), under the key prefix of one scenario run:
     The fenced store of one resource: hash of the highest applied fence and its value.
 ``<run>:applied:<lock key>``
     List of the writes the store applied, in the order it applied them.
-``<run>:submitted`` and ``<run>:outcomes``
-    List of ids handed out and hash of id -> JSON outcome, for work that has no
-    Celery result (the Redlock drivers); ``<run>:stop`` tells drivers to stop.
+``<run>:prerun``
+    List of ``<task id> <time>``, one per ``task_prerun`` of a lock-window task:
+    when a copy was picked up, before it took its lock.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ __all__ = [
     "execution_key",
     "executions_key",
     "hold",
-    "outcomes_key",
-    "record_outcome",
-    "stop_key",
-    "submitted_key",
+    "load_preruns",
+    "prerun_key",
+    "record_prerun",
     "watched_execution",
 ]
 
@@ -70,19 +69,9 @@ def applied_key(run: str, resource: str) -> str:
     return f"{run}:applied:{resource}"
 
 
-def submitted_key(run: str) -> str:
-    """The list of ids of work handed out, for work without a Celery result."""
-    return f"{run}:submitted"
-
-
-def stop_key(run: str) -> str:
-    """Set to ask the processes of ``run`` to stop after their current piece of work."""
-    return f"{run}:stop"
-
-
-def outcomes_key(run: str) -> str:
-    """The hash of outcomes reported by processes that have no result backend."""
-    return f"{run}:outcomes"
+def prerun_key(run: str) -> str:
+    """The list of ``task_prerun`` times of the lock-window tasks of ``run``."""
+    return f"{run}:prerun"
 
 
 # Apply a write only if its fence is not below the highest fence applied so far
@@ -245,6 +234,15 @@ def watched_execution(
         recorder.finish()
 
 
-def record_outcome(client: redis.Redis, run: str, task_id: str, state: str, info: Any) -> None:
-    """Report how a piece of work ended, for work without a Celery result."""
-    client.hset(outcomes_key(run), task_id, json.dumps({"state": state, "info": info}))
+def record_prerun(client: redis.Redis, run: str, task_id: str) -> None:
+    """Record that a worker picked up ``task_id`` now (from ``task_prerun``)."""
+    client.rpush(prerun_key(run), f"{task_id} {time.time()!r}")
+
+
+def load_preruns(client: redis.Redis, run: str) -> list[tuple[str, float]]:
+    """Every recorded ``task_prerun`` of ``run``: (task id, time), in record order."""
+    entries = []
+    for raw in client.lrange(prerun_key(run), 0, -1):
+        task_id, at = raw.decode().split(" ")
+        entries.append((task_id, float(at)))
+    return entries

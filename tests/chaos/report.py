@@ -23,13 +23,21 @@ _END = "<!-- chaos-table:end -->"
 SCENARIOS: dict[str, str] = {
     "SIGKILL of a worker child mid-task, acks_late": "safe, no loss",
     "SIGKILL of a worker child mid-task, early ack": "safe; killed runs fail (WorkerLostError)",
+    "lock window storm, SIGKILL of a child mid-task": (
+        "safe, no loss; at most one copy per key waiting"
+    ),
     "SIGSTOP of a holder beyond lock_ttl, then SIGCONT": "safe, no loss",
     "lock store frozen (SIGSTOP) beyond lock_ttl": "safe, no loss",
     "SCRIPT FLUSH on the lock store mid-run": "safe, no loss",
     "lock store restarted empty while a lock is held": "NOT promised; fencing contains it",
     "broker frozen (SIGSTOP), then resumed": "safe, no loss",
     "broker connections killed (CLIENT KILL)": "safe; loss not promised (Redis transport)",
-    "Redlock, 5 masters: minority killed, hung, restarted empty": "safe, no loss",
+    "Redlock, 5 masters: minority killed, hung, restarted empty": (
+        "safe, no loss (at most 2 of 5 faulty; restart rule)"
+    ),
+    "Redlock, 5 masters: one restarted empty at once (rule broken)": (
+        "NOT promised; fencing contains it"
+    ),
 }
 
 

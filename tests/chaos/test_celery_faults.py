@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from tests.celery_apps.chaos import LOCK_TTL
+from tests.celery_apps.chaos import LOCK_TTL, WINDOW_TASK
 from tests.celery_harness import task_states, wait_until
 from tests.chaos import report
 from tests.chaos.checker import Execution, Verdict
 from tests.chaos.conftest import CeleryChaos
+from tests.chaos.history import load_preruns
+from tests.chaos.windows import Call, most_waiting, published, unaccounted
 
 # Every scenario runs REPEATS times (the ``attempt`` fixture of conftest.py).
 pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.usefixtures("attempt")]
@@ -88,6 +92,53 @@ def test_sigkill_of_a_child_mid_task_with_early_ack(celery_chaos: CeleryChaos) -
     for task_id in failed:
         assert "WorkerLostError" in repr(states[task_id][1])
     assert verdict.outcomes == {"executed": len(ids) - len(failed), "failed": len(failed)}
+
+
+#: Calls of the lock-window storm, and the pause between two of them.
+STORM_CALLS = 120
+STORM_GAP = 0.02
+
+
+@pytest.mark.timeout(60)
+def test_lock_window_storm_with_a_child_killed_mid_task(celery_chaos: CeleryChaos) -> None:
+    """until_and_while_executing under a submission storm, a child SIGKILLed mid-task:
+    no overlap, at most one copy per key waiting, and every call ran or was folded
+    into a copy that ran."""
+    c = celery_chaos
+    run = c.new_run()
+    task = c.app.tasks[WINDOW_TASK]
+    calls: list[Call] = []
+    victims: list[Execution] = []
+    with c.app.producer_or_acquire() as producer:
+        for i in range(STORM_CALLS):
+            resource = f"res{i % 2}"
+            chosen = str(uuid.uuid4())
+            result = task.apply_async((run, resource, 0.4), task_id=chosen, producer=producer)
+            calls.append(Call(resource, chosen, result.id, time.time()))
+            if not victims and i >= STORM_CALLS // 4:
+                # Mid-storm, once a copy runs: kill the pool process running
+                # the copy that started last, the least likely to be ending.
+                victims = sorted(c.running(run), key=lambda e: e.start)[-1:]
+                for victim in victims:
+                    os.kill(victim.pid, signal.SIGKILL)
+            time.sleep(STORM_GAP)
+    assert victims, "no copy was running mid-storm"
+    copies = [call.chosen for call in published(calls)]
+    states = c.wait_settled(copies, timeout=40)
+
+    verdict = c.verdict(run, copies, states)
+    report.record("lock window storm, SIGKILL of a child mid-task", verdict, faults=1)
+    assert_safe(verdict)
+    assert unaccounted(calls) == [], "calls folded into a copy nobody published"
+    assert {state for state, _ in states.values()} == {"SUCCESS"}, verdict.describe()
+    # The storm was folded: far fewer copies than calls, and never two waiting.
+    assert 4 <= len(copies) <= STORM_CALLS // 3, len(copies)
+    waiting = most_waiting(calls, load_preruns(c.db9, run))
+    assert set(waiting.values()) == {1}, waiting
+    (victim,) = victims
+    first, *later = by_task(c.executions(run), victim.task_id)
+    assert first.id == victim.id and not first.finished
+    assert later and later[-1].finished and later[-1].fence > victim.fence
 
 
 @pytest.mark.timeout(60)

@@ -1,144 +1,171 @@
-"""Redlock over five masters while a minority of them is killed, hung or restarted empty.
+"""Redlock through the Celery layer: a minority of five masters killed, hung and restarted empty.
 
-The Celery layer takes a single lock-store URL so far, so this scenario drives
-:class:`celery_redlock.Redlock` directly from three driver processes
-(``tests.chaos.redlock_driver``) contending for two locks, and judges their
-history with the same checker as the Celery scenarios.
+Three prefork workers run the chaos app's singleton tasks with ``redlock_url``
+set to a list of five private redis-servers (no persistence). While tasks hold
+their locks, one master is killed (SIGKILL) and another frozen (SIGSTOP) for
+longer than ``lock_ttl``; then the frozen one resumes and the killed one comes
+back empty. Later a third master crashes while tasks hold locks and comes back
+empty too.
 
 At most two of the five masters are faulty at any moment, and a master that
-restarts empty does so only after every lock taken while another master was
-down has been released: Redlock promises safety while a majority of the
-masters that granted a lock still hold it (see docs/redlock.md).
+lost its data rejoins only after it has been down for longer than the TTL:
+that is the restart rule under which Redlock promises exclusion
+(docs/redlock.md). A master that rejoins empty at once can lend its vote to a
+second holder while a lock granted by a bare majority (three of five, which
+happens right after a repair too) is still held: docs/chaos.md tells how this
+suite saw it. The history is judged by the same checker as the single-store
+scenarios.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-import redis
 
-from tests.celery_harness import REDIS_URL, REPO_ROOT, delete_prefixed_keys, wait_until
+from tests.celery_apps.chaos import LOCK_TTL
+from tests.celery_harness import wait_until
 from tests.chaos import report
-from tests.chaos.checker import check, load_executions, load_outcomes
-from tests.chaos.history import FencedStore, stop_key, submitted_key
-from tests.redis_servers import RedisServer
+from tests.chaos.conftest import CeleryChaos
 
 # Every scenario runs REPEATS times (the ``attempt`` fixture of conftest.py).
 pytestmark = [pytest.mark.chaos, pytest.mark.integration, pytest.mark.usefixtures("attempt")]
 
-MASTERS = 5
-DRIVERS = 3
-TTL = 1.0
-HOLD = 0.2
-#: Finished holds, all started after a fault (or repair), that show the lock still works.
-PROGRESS = 4
+RESOURCES = 3
+HOLD = 0.3
+#: Calls sent in each phase of the run (before, during and after the faults).
+BATCH = 6
+#: Finished executions, all started in a phase, that show the lock still works in it.
+PROGRESS = 3
 
 
-@pytest.fixture
-def history() -> Iterator[tuple[redis.Redis, str]]:
-    """A client on db 9 and a run prefix; the prefix's keys are deleted afterwards."""
-    client = redis.Redis.from_url(REDIS_URL)
-    run = f"rlr-{uuid.uuid4().hex[:12]}"
-    try:
-        yield client, run
-    finally:
-        delete_prefixed_keys(client, run)
-        client.close()
+def batch(phase: int) -> list[tuple[str, float]]:
+    """One phase's calls, spread over the resources."""
+    return [(f"res{(phase + i) % RESOURCES}", HOLD) for i in range(BATCH)]
 
 
-def start_drivers(
-    masters: list[RedisServer], run: str, log_dir: Path
-) -> list[subprocess.Popen[bytes]]:
-    """Start the driver processes; they run until the run's stop key is set."""
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for i in range(DRIVERS):
-        config = {
-            "masters": [master.url for master in masters],
-            "history": REDIS_URL,
-            "run": run,
-            "name": f"d{i}",
-            "resources": ["a", "b"],
-            "ttl": TTL,
-            "hold": HOLD,
-            "wait": 3.0,
-        }
-        with open(log_dir / f"driver{i}.log", "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.chaos.redlock_driver", json.dumps(config)],
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
-
-
-@pytest.mark.timeout(90)
-def test_redlock_with_a_minority_of_masters_killed_hung_and_restarted_empty(
-    redis_servers: Callable[[int], list[RedisServer]],
-    history: tuple[redis.Redis, str],
-    tmp_path: Path,
+@pytest.mark.timeout(60)
+def test_redlock_minority_of_masters_killed_hung_and_restarted_empty(
+    redlock_chaos: CeleryChaos,
 ) -> None:
-    """Holds never overlap, fences rise and nothing is lost while two of five masters fail."""
-    client, run = history
-    masters = redis_servers(MASTERS)
+    """Tasks on Redlock over 5 masters: no overlap, rising fences, nothing lost while
+    a minority of the masters fails."""
+    c = redlock_chaos
+    masters = c.lock_stores
+    run = c.new_run()
 
-    def progress(since: float) -> Callable[[], bool]:
+    def finished_since(since: float) -> Callable[[], bool]:
         def enough() -> bool:
-            done = [e for e in load_executions(client, run) if e.start > since and e.finished]
+            done = [e for e in c.executions(run) if e.start > since and e.finished]
             return len(done) >= PROGRESS
 
         return enough
 
-    def wait_progress(what: str) -> None:
-        wait_until(progress(time.time()), 30, interval=0.1, message=f"holds {what}")
-
-    procs = start_drivers(masters, run, tmp_path / "drivers")
-    faults = 0
+    ids = c.submit("chaos.work", run, batch(0))
+    c.wait_running(run, 2)
+    # Two of five out while locks are held: one crashed, one hung.
+    masters[0].kill()
+    masters[1].pause()
+    faults = 2
+    fault_at = time.time()
     try:
-        wait_progress("before any fault")
-        masters[0].kill()
-        masters[1].pause()
-        faults += 2
-        # Longer than the TTL: locks held on the hung master expire there meanwhile.
-        wait_until(progress(time.time() + TTL), 30, interval=0.1, message="holds on 3 of 5")
-        masters[1].resume()
-        masters[0].restart()  # back, empty
-        faults += 1
-        wait_progress("after the repair")
-        masters[2].restart()
-        faults += 1
-        wait_progress("after a restart empty")
+        ids += c.submit("chaos.work", run, batch(1) + batch(2))
+        # Executions that started after a whole TTL of the hang finish: the
+        # locks held on the hung master have expired there meanwhile.
+        wait_until(
+            finished_since(fault_at + LOCK_TTL), 20, interval=0.05, message="holds on 3 of 5"
+        )
     finally:
-        client.set(stop_key(run), 1)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "drivers").glob("*.log")))
-    assert all(proc.returncode == 0 for proc in procs), logs[-3000:]
+        masters[1].resume()
+    # The restart rule: the crashed master was down for longer than the TTL,
+    # so every lock it held has expired; it comes back empty.
+    assert time.time() - fault_at > LOCK_TTL
+    masters[0].restart()
+    faults += 1
+    repaired_at = time.time()
+    ids += c.submit("chaos.work", run, batch(3))
+    wait_until(finished_since(repaired_at), 20, interval=0.05, message="holds after the repair")
+    # A third master crashes while tasks hold locks, and comes back empty once
+    # it has been down for longer than the TTL, with tasks running throughout.
+    ids += c.submit("chaos.work", run, batch(4))
+    c.wait_running(run, 1)
+    masters[2].kill()
+    faults += 1
+    crashed_at = time.time()
+    ids += c.submit("chaos.work", run, batch(5))
+    wait_until(finished_since(crashed_at + LOCK_TTL), 20, interval=0.05, message="holds on 4 of 5")
+    masters[2].restart()
+    faults += 1
+    restarted_at = time.time()
+    ids += c.submit("chaos.work", run, batch(6))
+    wait_until(finished_since(restarted_at), 20, interval=0.05, message="holds after a restart")
+    states = c.wait_settled(ids, timeout=30)
 
-    submitted = [raw.decode() for raw in client.lrange(submitted_key(run), 0, -1)]
-    executions = load_executions(client, run)
-    verdict = check(executions, FencedStore(client, run), submitted, load_outcomes(client, run))
+    verdict = c.verdict(run, ids, states)
     report.record(
         "Redlock, 5 masters: minority killed, hung, restarted empty", verdict, faults=faults
     )
     assert not verdict.violations, verdict.describe()
     assert not verdict.lost, verdict.describe()
-    assert verdict.outcomes["executed"] >= 4 * PROGRESS, verdict.describe()
+    assert {state for state, _ in states.values()} == {"SUCCESS"}, verdict.describe()
+    # Each phase made progress, so the faults met held locks and live contention.
+    starts = sorted(e.start for e in c.executions(run))
+    for moment in (fault_at, repaired_at, crashed_at, restarted_at):
+        assert any(start > moment for start in starts), verdict.describe()
+
+
+@pytest.mark.timeout(60)
+def test_redlock_master_restarted_empty_at_once(redlock_chaos: CeleryChaos) -> None:
+    """Not promised: a master that rejoins empty at once breaks the restart rule.
+
+    A lock granted by a bare majority (three of five, here because two masters
+    are down while it is taken) loses its majority when one of those three
+    restarts empty, and a duplicate wins the other three. The first holder's next
+    renewal (a third of the TTL) reaches only two masters, so it learns the
+    lock is lost; the duplicate's fence is higher, so the late write bounces.
+    """
+    c = redlock_chaos
+    masters = c.lock_stores
+    run = c.new_run()
+    # Killed, not frozen: a frozen master runs the queued SET NX when it wakes
+    # and the holder's renewals then keep that vote, so its lock would not
+    # live on a bare majority.
+    masters[0].kill()
+    masters[1].kill()
+    try:
+        (first,) = c.submit("chaos.work", run, [("res", 2.0)])
+        (old,) = c.wait_running(run, 1)
+    finally:
+        # Back empty; they never held this lock, so that part keeps the rule.
+        masters[0].restart()
+        masters[1].restart()
+    held = [master.client().get(old.key) for master in masters]
+    assert [value is not None and first.encode() in value for value in held] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ], held
+    (second,) = c.submit("chaos.work", run, [("res", 0.5)])
+    masters[2].restart()
+    states = c.wait_settled([first, second], timeout=30)
+
+    verdict = c.verdict(run, [first, second], states)
+    report.record(
+        "Redlock, 5 masters: one restarted empty at once (rule broken)", verdict, faults=5
+    )
+    executions = c.executions(run)
+    old = next(e for e in executions if e.task_id == first)
+    (new,) = (e for e in executions if e.task_id == second)
+    # What the rule exists for: the duplicate got in while the first still ran ...
+    assert old.end is not None and new.start < old.end, verdict.describe()
+    # ... for at most one renewal interval, after which the first knows.
+    assert len(verdict.violations) <= 1, verdict.describe()
+    assert old.believed_until - new.start <= LOCK_TTL / 3 + 0.3, verdict.describe()
+    assert old.lost
+    assert new.fence > old.fence
+    assert [w.applied for w in old.writes] == [True, False], old.writes
+    assert all(w.applied for w in new.writes)
+    assert not verdict.lost, verdict.describe()

@@ -79,7 +79,7 @@ def test_the_walk_reaches_the_public_api():
     names = {name for name, _, _ in OBJECTS}
     assert "celery_redlock.task.SingletonTask.lock_key_for" in names
     assert "celery_redlock.lock.Lock.acquire" in names
-    assert "celery_redlock.guard.current_lock" in names
+    assert "celery_redlock.context.current_lock" in names
     assert "celery_redlock.renewal" in names
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 
@@ -10,6 +9,7 @@ import pytest
 import redis
 
 from celery_redlock import Lock, LockNotAcquired
+from tests.hold_log import assert_serial_holds, run_contenders
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -35,33 +35,12 @@ def hold_repeatedly(url: str, rounds: int, hold: float, results) -> None:
         results.put(("error", repr(exc)))
 
 
-def assert_no_overlap(intervals) -> None:
-    ordered = sorted(intervals)
-    for (_, end, *_), (start, *_) in zip(ordered, ordered[1:]):
-        assert end <= start, "two holders overlapped"
-
-
 @pytest.mark.filterwarnings(FORK_WARNING)
 @pytest.mark.timeout(120)
 def test_fifty_processes_exclude_each_other_and_fences_follow_hold_order(redis_server):
     """50 forked contenders: hold intervals never overlap, fences rise in hold order."""
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    processes = [
-        ctx.Process(target=hold_repeatedly, args=(redis_server.url, 4, 0.002, results))
-        for _ in range(50)
-    ]
-    for process in processes:
-        process.start()
-    reports = [results.get(timeout=100) for _ in processes]
-    for process in processes:
-        process.join(timeout=10)
-    errors = [detail for status, detail in reports if status == "error"]
-    assert not errors
-    intervals = [interval for _, detail in reports for interval in detail]
-    assert len(intervals) == 200
-    assert {holders for _, _, holders, _ in intervals} == {1}
-    assert_no_overlap(intervals)
+    intervals = run_contenders(hold_repeatedly, 50, redis_server.url, 4, 0.002)
+    assert_serial_holds(intervals, 200)
     client = redis_server.client()
     fences = [int(f) for f in client.lrange("fences", 0, -1)]
     assert len(fences) == 200
@@ -100,11 +79,7 @@ def test_threads_sharing_one_client_pool_exclude_each_other(redis_server, decode
     for thread in threads:
         thread.join(timeout=60)
     assert not failures
-    assert len(intervals) == 16 * 15
-    assert {holders for _, _, holders, _ in intervals} == {1}
-    assert_no_overlap(intervals)
-    fences = [fence for *_, fence in sorted(intervals)]
-    assert fences == sorted(set(fences))
+    assert_serial_holds(intervals, 16 * 15)
 
 
 def test_one_thread_local_lock_instance_shared_by_threads(redis_server):

@@ -6,7 +6,6 @@ Mirrors tests/integration/test_lock_exclusion.py for celery_redlock.asyncio.Lock
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 
 import pytest
@@ -14,6 +13,7 @@ import redis.asyncio
 
 from celery_redlock import LockNotAcquired
 from celery_redlock.asyncio import Lock
+from tests.hold_log import assert_serial_holds, run_contenders
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -46,33 +46,12 @@ def hold_repeatedly(url: str, rounds: int, hold: float, results) -> None:
         results.put(("error", repr(exc)))
 
 
-def assert_no_overlap(intervals) -> None:
-    ordered = sorted(intervals)
-    for (_, end, *_), (start, *_) in zip(ordered, ordered[1:]):
-        assert end <= start, "two holders overlapped"
-
-
 @pytest.mark.filterwarnings(FORK_WARNING)
 @pytest.mark.timeout(120)
 def test_thirty_processes_exclude_each_other_and_fences_follow_hold_order(redis_server):
     """30 forked contenders, each on its own loop: holds never overlap, fences rise in order."""
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    processes = [
-        ctx.Process(target=hold_repeatedly, args=(redis_server.url, 4, 0.002, results))
-        for _ in range(30)
-    ]
-    for process in processes:
-        process.start()
-    reports = [results.get(timeout=100) for _ in processes]
-    for process in processes:
-        process.join(timeout=10)
-    errors = [detail for status, detail in reports if status == "error"]
-    assert not errors
-    intervals = [interval for _, detail in reports for interval in detail]
-    assert len(intervals) == 120
-    assert {holders for _, _, holders, _ in intervals} == {1}
-    assert_no_overlap(intervals)
+    intervals = run_contenders(hold_repeatedly, 30, redis_server.url, 4, 0.002)
+    assert_serial_holds(intervals, 120)
     fences = [int(f) for f in redis_server.client().lrange("fences", 0, -1)]
     assert all(a < b for a, b in zip(fences, fences[1:])), "fences not increasing in hold order"
     assert [fence for *_, fence in sorted(intervals)] == fences
@@ -99,11 +78,7 @@ def test_tasks_sharing_one_client_exclude_each_other(arun, decode):
         await asyncio.gather(*(worker(client) for _ in range(16)))
 
     arun(scenario, decode_responses=decode)
-    assert len(intervals) == 16 * 15
-    assert {holders for _, _, holders, _ in intervals} == {1}
-    assert_no_overlap(intervals)
-    fences = [fence for *_, fence in sorted(intervals)]
-    assert fences == sorted(set(fences))
+    assert_serial_holds(intervals, 16 * 15)
 
 
 def test_one_lock_instance_shared_by_tasks(arun):

@@ -7,6 +7,7 @@ from rq import Queue
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 
 from celery_redlock.rq import REQUEUES_META, SKIP_META
+from tests.hold_log import assert_serial
 from tests.rq_apps import jobs
 from tests.rq_harness import rq_workers, wait_until
 
@@ -52,14 +53,7 @@ def test_requeue_storm_of_100_identical_jobs_runs_all_serially(redis_server, tmp
             )
         except AssertionError:
             raise AssertionError("\n".join(w.log() for w in workers)) from None
-    entries = [entry.decode().split(":") for entry in client.lrange(jobs.LOG, 0, -1)]
-    intervals = sorted((float(s), float(e), int(h), int(f)) for s, e, h, f in entries)
-    assert len(intervals) == 100
-    assert {holders for _, _, holders, _ in intervals} == {1}
-    for (_, end, *_), (start, *_) in zip(intervals, intervals[1:]):
-        assert end <= start, "two runs overlapped"
-    fences = [fence for *_, fence in intervals]
-    assert fences == sorted(set(fences))
+    assert_serial(client, jobs.LOG, 100)
     for job in enqueued:
         job.refresh()
     assert all(job.is_finished and job.return_value() == "same" for job in enqueued)
