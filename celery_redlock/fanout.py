@@ -80,8 +80,8 @@ def prefetch(conn: Any, fd: int) -> Any:
 
     The caller's ``poll()`` said the socket is readable, so the extra poll
     Python makes before a ``recv()`` on a socket with a timeout is wasted.
-    :func:`next_reply` then finds whole replies in the reader and reads the
-    socket itself (with its timeout) only for a reply that is still incomplete.
+    :func:`ready_reply` then takes whole replies from the reader; the rest of
+    an incomplete one is waited for with ``poll()`` again.
 
     Returns:
         The hiredis reader, or ``None`` for a connection without one (left to
@@ -206,8 +206,7 @@ class Round:
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
-        self._reading[fd] = (i, conn, skip, reused)
-        self._poll.register(fd, select.POLLIN)
+        self._wait(fd, i, conn, skip, reused)
 
     def _wait(self, fd: int, i: int, conn: Any, skip: int, reused: bool) -> None:
         self._reading[fd] = (i, conn, skip, reused)
