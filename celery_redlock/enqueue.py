@@ -229,7 +229,13 @@ def apply_async(
             # The key already names this task (or another copy of a task
             # continuing itself): publish without taking it over.
             logger.debug("%s: %s is held by %s; republishing as is", label, rkey, holder_id)
-            return publish(args, kwargs, task_id, _with_reservation(options, kept))
+            # A requeue by the lock carries its stale value on, so a copy whose
+            # reservation lapsed is still known as one (and never skipped); a
+            # retry meeting a newer copy is published like a fresh message.
+            requeue = REQUEUES_HEADER in (options.get("headers") or {})
+            return publish(
+                args, kwargs, task_id, _with_reservation(options, kept if requeue else None)
+            )
         holder_ttl = pttl_ms / 1000 if pttl_ms >= 0 else None
         canvas = is_canvas(options)
         if holder_id is None or opts.on_duplicate == "raise" or canvas:
