@@ -68,9 +68,10 @@ UNTIL_EXECUTED = "until_executed"
 #: Publishes one message: ``(args, kwargs, task_id, options) -> AsyncResult``.
 Publish = Callable[[Any, Any, str, "dict[str, Any]"], Any]
 
-# Leases of until_executed runs whose lock was handed back to a queued copy of
-# the same task (a retry): the run must neither renew nor release it.
-_handed_over: weakref.WeakSet[Lease] = weakref.WeakSet()
+# Leases of until_executed attempts that published their own retry: when the
+# attempt ends, its lock becomes the retry's reservation (value, monotonic
+# deadline) instead of being released.
+_handovers: weakref.WeakKeyDictionary[Lease, tuple[str, float]] = weakref.WeakKeyDictionary()
 
 
 def reservation_key(mode: str, key: str) -> str:
@@ -199,14 +200,18 @@ def apply_async(
     value = Holder.new(task_id).encode()
     ttl_ms = max(1, int((publish_delay(options) + opts.enqueue_ttl) * 1000))
     label = f"task {task.name}[{task_id}]"
-    lent = _Loan(lease) if handing and lease is not None else None
+    if handing:
+        assert lease is not None
+        return _publish_retry(
+            guard, publish, (args, kwargs, task_id), options, lease, value, ttl_ms
+        )
     try:
         reply = RESERVE(guard.store.client, (rkey, cancel_key(rkey)), (value, ttl_ms, replace))
     except RedisError as exc:
         # A RESERVE whose reply never came may have run, or may still run
         # after the client gave up: take it back, or the key would name a task
         # that was never published (or hide a running attempt's lock).
-        _cancel(guard, rkey, value, lent, ttl_ms, label)
+        _cancel(guard, rkey, value, ttl_ms, label)
         if own or opts.on_redis_error == "run":
             logger.warning(
                 "%s: lock store unreachable for %s (%r); publishing WITHOUT an enqueue lock",
@@ -220,8 +225,6 @@ def apply_async(
             lock_name=rkey,
         ) from exc
     if reply != 1:
-        if lent is not None:
-            lent.give_back()
         pttl_ms, held = reply
         holder = Holder.parse(held)
         holder_id = holder.task_id if holder else None
@@ -252,72 +255,55 @@ def apply_async(
     try:
         return publish(args, kwargs, task_id, _with_reservation(options, value))
     except BaseException:
-        _undo(guard, rkey, value, lent, label, "publish failed")
+        _undo(guard, rkey, value, label)
         raise
 
 
-class _Loan:
-    """The lock of a running until_executed attempt, lent to the reservation of its retry.
+def _publish_retry(
+    guard: TaskGuard,
+    publish: Publish,
+    call: tuple[Any, Any, str],
+    options: dict[str, Any],
+    lease: Lease,
+    value: str,
+    ttl_ms: int,
+) -> Any:
+    """Publish the retry of a running until_executed attempt; its lock passes on at the end.
 
-    While lent, the attempt neither renews nor releases it: the key holds the
-    retry's reservation. Renewal stops before the key changes, or a renewal
-    racing with ``RESERVE`` would find the new value and report the lock lost.
+    The attempt keeps (and renews) its lock until it ends: code after
+    ``self.retry()`` stays covered, and a retry that comes due meanwhile meets
+    the lock of its own task id and waits. When the attempt ends, the lock
+    becomes the retry's reservation in one compare-and-set (see
+    :meth:`EnqueueGuard._release`). Nothing is stored before the publish, so a
+    failed publish leaves the attempt's lock as it was.
     """
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-        self.on_lost = lease.on_lost
-        lease.released = True
-        lease.on_lost = None
-        _handed_over.add(lease)
-
-    def give_back(self) -> None:
-        """Let the attempt renew and release the lock again."""
-        from .renewal import default_watchdog
-
-        lease = self.lease
-        _handed_over.discard(lease)
-        lease.on_lost = self.on_lost
-        lease.released = False
-        if lease.ttl is not None:
-            default_watchdog().watch(lease)
-
-
-def _undo(
-    guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: str, why: str
-) -> None:
-    """Take back a reservation nothing was published for; give a lent lock back to its attempt.
-
-    Compare-and-set only: whatever else holds the key stays. Best effort: a
-    Redis error is logged, and the reservation then expires by itself.
-    """
+    args, kwargs, task_id = call
+    label = f"task {guard.task.name}[{task_id}]"
     try:
-        if lent is None:
-            if RELEASE(guard.store.client, (rkey,), (value,)):
-                logger.info("%s: %s; released its reservation %s", label, why, rkey)
-            return
-        lease, ttl = lent.lease, lent.lease.ttl or 0.0
-        try:
-            sent_at = time.monotonic()
-            if RESERVE(guard.store.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
-                lease.validate_until(sent_at, ttl)
-        finally:
-            # Even if Redis failed too: the attempt then finds its lock gone and says so.
-            lent.give_back()
-        logger.info("%s: %s; the running attempt keeps %s", label, why, rkey)
+        result = publish(args, kwargs, task_id, _with_reservation(options, value))
+    except BaseException:
+        logger.info("%s: publish failed; the running attempt keeps %s", label, lease.name)
+        raise
+    _handovers[lease] = (value, time.monotonic() + ttl_ms / 1000)
+    return result
+
+
+def _undo(guard: TaskGuard, rkey: str, value: str, label: str) -> None:
+    """Take back a reservation nothing was published for (compare-and-delete, best effort)."""
+    try:
+        if RELEASE(guard.store.client, (rkey,), (value,)):
+            logger.info("%s: publish failed; released its reservation %s", label, rkey)
     except RedisError as exc:
         logger.warning(
-            "%s: %s and its reservation %s could not be taken back (%r); it expires by itself",
+            "%s: publish failed and its reservation %s could not be released (%r); "
+            "it expires by itself",
             label,
-            why,
             rkey,
             exc,
         )
 
 
-def _cancel(
-    guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, ttl_ms: int, label: str
-) -> None:
+def _cancel(guard: TaskGuard, rkey: str, value: str, ttl_ms: int, label: str) -> None:
     """After a RESERVE that failed without a reply: undo it, now or whenever it runs.
 
     Redis runs commands from different connections in no set order, so a plain
@@ -326,39 +312,25 @@ def _cancel(
     It is idempotent, so it is tried up to :data:`CANCEL_ATTEMPTS` times: a
     server that was busy (the usual cause of a timeout) often answers the next.
     """
-    restore: str | bytes = ""
-    restore_ms = 1
-    if lent is not None:
-        restore, restore_ms = lent.lease.token, max(1, int((lent.lease.ttl or 0.0) * 1000))
-    try:
-        for attempt in range(1, CANCEL_ATTEMPTS + 1):
-            try:
-                sent_at = time.monotonic()
-                undone = CANCEL_RESERVE.send(
-                    guard.store.client,
-                    (rkey, cancel_key(rkey)),
-                    (value, restore, restore_ms, ttl_ms),
-                )
-            except RedisError as exc:
-                if attempt < CANCEL_ATTEMPTS:
-                    continue
-                logger.warning(
-                    "%s: the reservation %s may have been taken and could not be cancelled "
-                    "(%r); if so, it expires within %ss",
-                    label,
-                    rkey,
-                    exc,
-                    ttl_ms / 1000,
-                )
-                return
-            if undone and lent is not None and lent.lease.ttl is not None:
-                lent.lease.validate_until(sent_at, lent.lease.ttl)
-            logger.info("%s: cancelled its reservation %s", label, rkey)
+    for attempt in range(1, CANCEL_ATTEMPTS + 1):
+        try:
+            CANCEL_RESERVE.send(
+                guard.store.client, (rkey, cancel_key(rkey)), (value, "", 1, ttl_ms)
+            )
+        except RedisError as exc:
+            if attempt < CANCEL_ATTEMPTS:
+                continue
+            logger.warning(
+                "%s: the reservation %s may have been taken and could not be cancelled "
+                "(%r); if so, it expires within %ss",
+                label,
+                rkey,
+                exc,
+                ttl_ms / 1000,
+            )
             return
-    finally:
-        # Even if Redis failed again: the attempt then finds its lock gone and says so.
-        if lent is not None:
-            lent.give_back()
+        logger.info("%s: cancelled its reservation %s", label, rkey)
+        return
 
 
 # -- worker side ---------------------------------------------------------------------
@@ -406,7 +378,9 @@ class HandoverLock(Lock):
             (token, self._ttl_ms, self._fence_retention_ms, self.reservation or ""),
         )
         found = bool(rest[0]) if status == 0 else bool(second)
-        if self.reservation and not found:
+        if self.reservation and not found and not (status == 0 and _same_task(token, second)):
+            # (An earlier attempt or delivery of this very task holding the key
+            # is not a lapse: its lock passes to this message when it ends.)
             self.lapsed = True
             self.on_lapsed()
         if status == 0:
@@ -415,6 +389,12 @@ class HandoverLock(Lock):
         self.local.holder = None
         self.local.lease = self._new_lease(Lease, self.redis, token, int(first), sent_at)
         return True
+
+
+def _same_task(token: Any, held: Any) -> bool:
+    """``True`` if two lock values name the same task id."""
+    ours, theirs = Holder.parse(token), Holder.parse(held)
+    return ours is not None and theirs is not None and ours.task_id == theirs.task_id
 
 
 class EnqueueGuard(TaskGuard):
@@ -483,11 +463,30 @@ class EnqueueGuard(TaskGuard):
                     logger.warning("could not drop reservation %s: %r", lock.reservation_key, exc)
 
     def _release(self, lock: Lock, lease: Lease) -> None:
-        if lease in _handed_over:
-            _handed_over.discard(lease)
+        handover = _handovers.pop(lease, None)
+        if handover is None:
+            return super()._release(lock, lease)
+        value, deadline = handover
+        # Flag first, as a release does: the watchdog stops renewing, and a
+        # renewal racing with the swap does not report the lock lost.
+        lease.released = True
+        lease.on_lost = None
+        ttl_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            swapped = RESERVE(self.client, (lease.name,), (value, ttl_ms, lease.token)) == 1
+        except RedisError as exc:
+            logger.warning(
+                "%s: could not hand the lock to the retry (%r); it expires within %ss",
+                lease.describe(),
+                exc,
+                lease.ttl,
+            )
+            return None
+        if swapped:
             logger.debug("%s was handed to the task's next attempt", lease.describe())
-            return
-        super()._release(lock, lease)
+        else:
+            logger.error("%s was lost before the task finished", lease.describe())
+        return None
 
     def _lapsed_conflict(self, key: str, lock: HandoverLock) -> None:
         """A reserved call whose reservation lapsed meets another holder: never skip it.

@@ -37,6 +37,8 @@ def make_app(redis_server: Any) -> Any:
         app.conf.update(
             broker_url="memory://",
             result_backend="cache+memory://",
+            # The in-memory broker polls; a short interval delivers promptly.
+            broker_transport_options={"polling_interval": 0.02},
             redlock_url=redis_server.url + url_query,
             redlock_key_prefix=f"faults-{uuid.uuid4().hex[:8]}",
             **conf,
@@ -338,3 +340,49 @@ def test_a_lapsed_copy_meeting_a_newer_reservation_still_runs(
         assert new.get(timeout=15) == 1
     assert sorted(ran) == sorted([old.id, new.id])
     assert old.id in lapsed
+
+
+# -- M2: code after self.retry() in until_executed ----------------------------------
+
+
+def test_cleanup_after_retry_never_overlaps_the_next_attempt(make_app: Any, r: redis.Redis) -> None:
+    """The lock passes to the retry when the attempt ends, not when the retry is published."""
+    app = make_app()
+    active, peak, finished = [0], [0], []
+    mutex = threading.Lock()
+    lapsed: list[Any] = []
+    redlock_signals.lock_lapsed.connect(lambda **kw: lapsed.append(kw), weak=False)
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.retry_cleanup",
+        lock_mode="until_executed",
+        lock_requeue_delay=0.05,
+        lock_requeue_max_delay=0.1,
+        max_retries=1,
+    )
+    def job(self: Any, x: int) -> int:
+        with mutex:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            if self.request.retries == 0:
+                try:
+                    raise self.retry(countdown=0)
+                finally:
+                    time.sleep(0.5)  # the attempt's own cleanup, after the retry is out
+            return x
+        finally:
+            with mutex:
+                active[0] -= 1
+            finished.append(self.request.retries)
+
+    with worker(app, concurrency=2):
+        result = job.delay(1)
+        assert result.get(timeout=15) == 1
+    assert finished == [0, 1]
+    assert peak[0] == 1
+    assert not r.exists(job.lock_key_for(1))
+    assert lapsed == []
