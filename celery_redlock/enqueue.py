@@ -449,8 +449,10 @@ class EnqueueGuard(TaskGuard):
 
     def _conflict(self, key: str, lock: Lock) -> NoReturn:
         try:
-            if isinstance(lock, HandoverLock) and lock.lapsed:
-                self._lapsed_conflict(key, lock)
+            if isinstance(lock, HandoverLock):
+                if lock.lapsed:
+                    self._lapsed_conflict(key, lock)
+                self._retry_waits(key, lock)
             super()._conflict(key, lock)
         finally:
             # until_and_while_executing: this copy ends (skip, raise) or was
@@ -503,6 +505,26 @@ class EnqueueGuard(TaskGuard):
             return
         self._contended(key, holder, "requeue")
         self._requeue(key, holder_id, holder_ttl)
+
+    def _retry_waits(self, key: str, lock: HandoverLock) -> None:
+        """A retry that came due while the attempt that published it still runs: wait.
+
+        The attempt's lock becomes this message's reservation when it ends.
+        This is a new attempt, not a redelivery, so it must run even if the
+        earlier attempt ends in success (``retry(throw=False)``).
+        """
+        request = self.task.request
+        value, holder_ttl = lock.local.holder or (None, None)
+        holder = Holder.parse(value)
+        if (
+            not lock.reservation
+            or holder is None
+            or holder.task_id != request.id
+            or (request.delivery_info or {}).get("redelivered")
+        ):
+            return
+        self._contended(key, holder, "requeue")
+        self._requeue(key, holder.task_id, holder_ttl, own=True, recheck=False)
 
     def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
         """As :class:`TaskGuard`, and the message's reservation does not outlive the call.

@@ -386,3 +386,43 @@ def test_cleanup_after_retry_never_overlaps_the_next_attempt(make_app: Any, r: r
     assert peak[0] == 1
     assert not r.exists(job.lock_key_for(1))
     assert lapsed == []
+
+
+def test_a_retry_published_with_throw_false_runs_after_the_attempt(
+    make_app: Any, r: redis.Redis
+) -> None:
+    """retry(throw=False), then success: the retry waits for the attempt, then still runs."""
+    app = make_app()
+    active, peak, finished = [0], [0], []
+    mutex = threading.Lock()
+
+    @app.task(
+        base=SingletonTask,
+        shared=False,
+        bind=True,
+        name="t.retry_no_throw",
+        lock_mode="until_executed",
+        lock_requeue_delay=0.05,
+        lock_requeue_max_delay=0.1,
+        max_retries=1,
+    )
+    def job(self: Any, x: int) -> int:
+        with mutex:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            if self.request.retries == 0:
+                self.retry(countdown=0, throw=False)  # a follow-up, then this attempt goes on
+                time.sleep(0.5)
+            return x
+        finally:
+            with mutex:
+                active[0] -= 1
+            finished.append(self.request.retries)
+
+    with worker(app, concurrency=2):
+        job.delay(1)
+        wait_for(lambda: len(finished) == 2, timeout=15)
+    assert finished == [0, 1]
+    assert peak[0] == 1
+    wait_for(lambda: not r.exists(job.lock_key_for(1)), timeout=5)
