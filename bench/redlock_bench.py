@@ -270,7 +270,15 @@ def analysis(rows: dict[str, dict[str, float]]) -> list[str]:
         f"against {floor5['client_sys_us']:.0f} µs for the floor; its user-space Python is "
         f"{five['client_user_us']:.0f} µs against the floor's {floor5['client_user_us']:.0f}: "
         "per master and operation, the checks the floor leaves out (node timeouts, "
-        "late replies, reconnects, script caches, the vote, fences and validity).",
+        "late replies, reconnects, script caches, the vote, fences and validity). "
+        "`bench/redlock_profile.py --callgrind` counts it in instructions, which a "
+        "loaded machine does not blur (see `bench/README.md`).",
+        f"- The masters spend {five['server_cpu_us'] - floor5['server_cpu_us']:.0f} µs more "
+        "per cycle on Redlock than on the floor's `SET NX PX` + `EVALSHA`: the acquire is "
+        "a Lua script that also draws the fence, and the release goes as `EVAL` with its "
+        "source, so that a `NOSCRIPT` reply nobody reads can never drop it. On two cores "
+        "that CPU queues behind the client's, which is why Redlock's p50 stays further "
+        "above the floor's than its own CPU alone explains.",
         "- On separate hosts (what Redlock is for) each master has its own CPU, the "
         "servers' work overlaps instead of queueing, and the cost that remains is the "
         "client's: one write and one read per master.",

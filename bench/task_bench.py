@@ -324,6 +324,15 @@ class Run:
         """Publishes per second (for the incumbents, including their lock)."""
         return self.tasks / self.publish_seconds
 
+    @property
+    def end_to_end_rate(self) -> float:
+        """Tasks per second over publishing and consuming: where each library pays for its lock.
+
+        celery-once and celery-singleton take their lock while publishing and
+        only delete it in the worker; SingletonTask does both in the worker.
+        """
+        return self.tasks / (self.publish_seconds + self.tasks / self.rate)
+
 
 class Bench:
     """Drives runs against one worker, one broker Redis and one lock-store Redis."""
@@ -714,6 +723,10 @@ def summarize(report: Report) -> dict[str, Any]:
             "rates": [round(run.rate, 1) for run in runs],
             "publish_rate": _median([run.publish_rate for run in runs]),
             "paired": _median([runs[i].rate / base[i].rate for i in range(rounds)]),
+            "end_to_end": _median([run.end_to_end_rate for run in runs]),
+            "end_to_end_paired": _median(
+                [runs[i].end_to_end_rate / base[i].end_to_end_rate for i in range(rounds)]
+            ),
             "client_per_task": _per(count.client_sent, count.tasks),
             "client_mix": _mix(count.client_sent, count.tasks),
             "lua_per_task": _per(count.inside_lua, count.tasks),
@@ -835,6 +848,10 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         "The time before the first result (median "
         f"{summary['startup']:.2f} s) is left out: it is mostly the Redis transport's 1 s BRPOP "
         "on the old queue set running out before the new queue is polled.",
+        "- end-to-end tasks/s = tasks / (publish time + consume time): the incumbents take "
+        "their lock while publishing and only delete it in the worker, so the consuming phase "
+        "alone leaves half their locking out. The targets below are judged on the consuming "
+        "phase, as the issue states them.",
         "- Lock-store commands: client-sent vs. inside-Lua split by `MONITOR` in an untimed "
         f"run of {p['count_tasks']} tasks per contender (after a {p['warmup']}-task warm-up); "
         "every timed run's `INFO commandstats` delta (after `CONFIG RESETSTAT`, including "
@@ -846,18 +863,20 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         "",
         "### Throughput (uncontended, distinct arguments)",
         "",
-        "| contender | tasks/s (median) | x plain | x plain (paired) | publish/s (median) "
+        "| contender | tasks/s (median) | x plain | x plain (paired) "
+        "| end-to-end tasks/s | x plain (paired) | publish/s (median) "
         "| publisher CPU µs/task | worker CPU µs/task | broker CPU µs/task "
         "| lock-store CPU µs/task | total CPU µs/task "
         "| lock-store client cmds/task | client-sent | inside Lua/task | inside Lua "
         "| commandstats total/task (timed) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for label, _ in CONTENDERS:
         row = rows[label]
         flag = "" if row["consistent"] else " (!)"
         lines.append(
             f"| {label} | {row['rate']:,.0f} | {row['ratio']:.3f} | {row['paired']:.3f} "
+            f"| {row['end_to_end']:,.0f} | {row['end_to_end_paired']:.3f} "
             f"| {row['publish_rate']:,.0f} | {row['publish_cpu_us']:,.0f} "
             f"| {row['worker_cpu_us']:,.0f} "
             f"| {row['broker_cpu_us']:,.0f} | {row['lock_cpu_us']:,.0f} "

@@ -24,7 +24,7 @@ from redis.retry import Retry
 
 from .scripts import RELEASE, Arg, Script
 
-__all__ = ["Connected", "Master", "Node", "Request", "bounded_client", "node_for"]
+__all__ = ["Connected", "Master", "Node", "Request", "Template", "bounded_client", "node_for"]
 
 #: A master as given to Redlock: a ``redis.Redis`` client or a ``redis://`` URL.
 Master = Union[str, Any]
@@ -117,15 +117,94 @@ def bounded_client(client: Any, timeout: float, max_connections: int | None = No
 # -- requests ------------------------------------------------------------------------
 
 
+#: How one master encodes strings: (encoding, errors), as its connections do.
+Encoding = tuple[str, str]
+#: What a request's wire format depends on: the encoding, and whether a script
+#: goes with its source (EVAL) or by its SHA (EVALSHA).
+PackingKey = tuple[Encoding, bool]
+
+
+def _bulk(arg: Arg, encoding: Encoding) -> bytes:
+    """One argument as a RESP bulk string, encoded as redis-py's ``Encoder`` does."""
+    if isinstance(arg, bytes):
+        data = arg
+    elif isinstance(arg, str):
+        data = arg.encode(*encoding)
+    elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        data = repr(arg).encode()
+    else:
+        raise TypeError(f"cannot send {type(arg).__name__} {arg!r} to Redis")
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class Template:
+    """A command sent again and again with one argument changing (the token), packed once.
+
+    Packing a command argument by argument costs more client CPU than sending
+    it; a lock sends the same acquire and release with a new token each time,
+    so the bytes around the token are packed once per encoding.
+
+    Args:
+        command: The command; whatever is at ``slot`` is replaced by each value.
+        slot: Where the changing argument goes (not the command name).
+        script: The script an ``EVALSHA`` command runs, as for :class:`Request`.
+    """
+
+    __slots__ = ("_parts", "command", "script", "slot")
+
+    def __init__(self, command: tuple[Arg, ...], slot: int, script: Script | None = None) -> None:
+        if not 0 < slot < len(command):
+            raise ValueError(f"slot {slot} is not an argument of {command!r}")
+        self.command = command
+        self.slot = slot
+        self.script = script
+        # PackingKey -> (bytes before the value, bytes after it)
+        self._parts: dict[PackingKey, tuple[bytes, bytes]] = {}
+
+    def request(self, value: bytes) -> Request:
+        """The command with ``value`` at the slot."""
+        slot = self.slot
+        command = (*self.command[:slot], value, *self.command[slot + 1 :])
+        return Request(command, self.script, self)
+
+    def pack(self, key: PackingKey, value: bytes) -> bytes:
+        """The command with ``value`` in its wire format for ``key``."""
+        parts = self._parts.get(key)
+        if parts is None:
+            encoding, source = key
+            command = _with_source(self.command, self.script) if source else self.command
+            bulks = [_bulk(arg, encoding) for arg in command]
+            # Computed again by a thread that races here: same bytes either way.
+            parts = self._parts[key] = (
+                b"*%d\r\n" % len(command) + b"".join(bulks[: self.slot]),
+                b"".join(bulks[self.slot + 1 :]),
+            )
+        return b"%s$%d\r\n%s\r\n%s" % (parts[0], len(value), value, parts[1])
+
+
+def _with_source(command: tuple[Arg, ...], script: Script | None) -> tuple[Arg, ...]:
+    # EVALSHA <sha> ... -> EVAL <source> ...: every other argument keeps its place.
+    if script is None:
+        return command
+    return ("EVAL", script.source, *command[2:])
+
+
 class Request:
     """One command for one master: a script call (EVALSHA, EVAL on NOSCRIPT) or plain."""
 
-    __slots__ = ("_packed", "command", "script")
+    __slots__ = ("_packed", "command", "script", "template")
 
-    def __init__(self, command: tuple[Arg, ...], script: Script | None = None) -> None:
+    def __init__(
+        self,
+        command: tuple[Arg, ...],
+        script: Script | None = None,
+        template: Template | None = None,
+    ) -> None:
         self.command = command
         self.script = script
-        self._packed: dict[tuple[tuple[str, str], bool], Any] = {}
+        # The template this request was made from, whose packed parts it reuses.
+        self.template = template
+        self._packed: dict[PackingKey, Any] = {}
 
     def packed(self, conn: Any, node: Node) -> Any:
         """Return the command in ``conn``'s wire format: packed once per round, not per master.
@@ -138,8 +217,15 @@ class Request:
         key = (node.encoding, source)
         found = self._packed.get(key)
         if found is None:
-            command = self.with_source() if source else self.command
-            found = self._packed[key] = conn.pack_command(*command)
+            template = self.template
+            if template is not None:
+                value = self.command[template.slot]
+                assert isinstance(value, bytes)
+                found = [template.pack(key, value)]
+            else:
+                command = self.with_source() if source else self.command
+                found = conn.pack_command(*command)
+            self._packed[key] = found
         return found
 
     @classmethod
@@ -163,9 +249,7 @@ class Request:
         For a master that lost its script cache, or a request nobody will read
         the answer of (so a NOSCRIPT would go unseen).
         """
-        if self.script is None:
-            return self.command
-        return ("EVAL", self.script.source, *self.command[2:])
+        return _with_source(self.command, self.script)
 
     def call(self, client: Any) -> Any:
         """Run the request through a redis-py client (for masters that cannot be polled)."""
@@ -263,7 +347,14 @@ class Node:
         An idle connection is not probed first (that would cost a system call a
         master and round): a stale one fails, and the round retries on a new one.
         """
-        self._after_fork()
+        if self._generation != _generation:
+            self._reset()
+        if not self._parked:
+            # The common case, without the lock: list.pop() is atomic.
+            try:
+                return self._idle.pop(), 0
+            except IndexError:
+                return None
         with self._guard:
             if self._idle:
                 return self._idle.pop(), 0
@@ -297,10 +388,12 @@ class Node:
 
     def checkin(self, conn: Any) -> None:
         """Take back a connection with nothing left to read."""
-        with self._guard:
-            if len(self._idle) < MAX_IDLE:
-                self._idle.append(conn)
-                return
+        # Without the lock (list operations are atomic): two threads checking
+        # in at once may keep one connection over MAX_IDLE, which is harmless.
+        idle = self._idle
+        if len(idle) < MAX_IDLE:
+            idle.append(conn)
+            return
         conn.disconnect()
 
     def park(

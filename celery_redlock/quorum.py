@@ -82,16 +82,19 @@ class Votes:
 
     def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
         """A ``settle`` callback for :meth:`Round.collect` that counts votes."""
+        # Decided once a majority agreed, or once too few are left to make one.
+        needed = self.needed
+        spare = self.size - needed
 
         def count(i: int, outcome: Any) -> bool:
             if isinstance(outcome, BaseException):
                 self.failed += 1
             elif agrees(i, outcome):
                 self.granted += 1
+                return self.granted >= needed
             else:
                 self.refused += 1
-            # Decided once a majority agreed, or once too few are left to make one.
-            return self.won or self.refused + self.failed > self.size - self.needed
+            return self.granted >= needed or self.refused + self.failed > spare
 
         return count
 
@@ -115,12 +118,22 @@ class Masters:
         Leaving the block parks the connections whose replies were not awaited,
         so that they are read before the connection is reused.
         """
-        requests = [request] * len(self.nodes) if isinstance(request, Request) else request
-        round_ = Round(self.nodes, requests, claims)
+        round_ = self.send(request, claims)
         try:
             yield round_
         finally:
             round_.finish()
+
+    def send(
+        self, request: Request | Sequence[Request | None], claims: dict[int, Any] | None = None
+    ) -> Round:
+        """Send ``request`` (or one request per master) to every master at once.
+
+        What :meth:`ask` does, for callers that call :meth:`Round.finish`
+        themselves (in a ``finally``).
+        """
+        requests = [request] * len(self.nodes) if isinstance(request, Request) else request
+        return Round(self.nodes, requests, claims, self.timeout)
 
     def vote(
         self,
@@ -130,13 +143,16 @@ class Masters:
     ) -> tuple[Round, Votes]:
         """Send ``request`` to every master and count until a majority is won or lost."""
         votes = Votes(len(self.nodes))
-        with self.ask(request, claims) as round_:
+        round_ = self.send(request, claims)
+        try:
             round_.collect(votes.settle(agrees))
+        finally:
+            round_.finish()
         return round_, votes
 
     def fire(self, request: Request) -> None:
         """Send ``request`` to every master without waiting for the answers."""
-        Round(self.nodes, [request] * len(self.nodes)).finish()
+        self.send(request).finish()
 
     def failure(
         self,

@@ -33,10 +33,10 @@ from .exceptions import (
 )
 from .fanout import PENDING, Round
 from .lock import Lease, Lock, Number
-from .nodes import Master, Request, bounded_client, node_for
+from .nodes import Master, Request, Template, bounded_client, node_for
 from .quorum import Masters, Votes, check_node_timeout
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
-from .scripts import ACQUIRE, RAISE_FENCE, RENEW
+from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 
@@ -182,6 +182,9 @@ class Redlock(Lock):
             raise ConfigurationError("masters", twice, "name the same server more than once")
         self.masters = tuple(masters)
         self._masters = Masters(nodes, self.node_timeout)
+        # Every acquire and release sends the same command but for the token.
+        self._grant = self._grant_template()
+        self._release = Template(("EVAL", RELEASE.source, 1, self.name, b""), 4)
 
     @property
     def quorum(self) -> int:
@@ -234,7 +237,8 @@ class Redlock(Lock):
             return True
 
         votes = Votes(len(masters.nodes))
-        with masters.ask(self._grant_request(token)) as grant:
+        grant = masters.send(self._grant.request(token))
+        try:
             grant.collect(votes.settle(agrees))
             failure: QuorumNotAchieved | None = None
             if not votes.won:
@@ -256,6 +260,8 @@ class Redlock(Lock):
                 self._undo(grant, granted, token)
             else:
                 lease.stragglers = grant.finish(reserve=True)
+        finally:
+            grant.finish()
         self.local.holder = most_common_holder(holders) if holders else None
         if failure is not None:
             failure.holder, failure.holder_ttl = self.local.holder or (None, None)
@@ -267,13 +273,17 @@ class Redlock(Lock):
         self.local.lease = lease
         return True
 
-    def _grant_request(self, token: bytes) -> Request:
+    def _grant_template(self) -> Template:
         if self.fencing:
-            keys = (self.name, self.fence_key)
-            return Request.run(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms))
+            return Template(
+                ("EVALSHA", ACQUIRE.sha, 2, self.name, self.fence_key, b"", self._ttl_ms,
+                 self._fence_retention_ms),
+                5,
+                ACQUIRE,
+            )  # fmt: skip
         if self._ttl_ms:
-            return Request(("SET", self.name, token, "NX", "PX", self._ttl_ms))
-        return Request(("SET", self.name, token, "NX"))
+            return Template(("SET", self.name, b"", "NX", "PX", self._ttl_ms), 2)
+        return Template(("SET", self.name, b"", "NX"), 2)
 
     def _refusal(self, reply: Any) -> LockError | None:
         return refusal_of_acquire(self.name, reply)
@@ -289,8 +299,9 @@ class Redlock(Lock):
         whose counter this acquisition has just drawn to exactly the fence already
         hold it; usually all do, and no second round trip is needed.
         """
-        fence = max(fences.values())
-        votes = Votes(len(self._masters.nodes), sum(1 for f in fences.values() if f == fence))
+        drawn = list(fences.values())
+        fence = max(drawn)
+        votes = Votes(len(self._masters.nodes), drawn.count(fence))
         if votes.won:
             return fence, None
         request = Request.run(
@@ -319,7 +330,7 @@ class Redlock(Lock):
         that said yes is awaited (within the node timeout), so a failed attempt
         leaves no key behind on a master that answered.
         """
-        release = Request.release(self.name, token)
+        release = self._release.request(token)
         grant.finish(follow_up=release)
         requests = [
             release if i in granted or isinstance(outcome, BaseException) else None
@@ -343,7 +354,7 @@ class Redlock(Lock):
                 was lost or outlived its validity.
             QuorumNotAchieved: If too few masters answered to tell.
         """
-        request = Request.release(self.name, expected_token)
+        request = self._release.request(expected_token)
         lease = self.local.lease
         claims: dict[int, Any] = {}
         if isinstance(lease, RedlockLease) and lease.token == expected_token:

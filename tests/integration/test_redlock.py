@@ -255,3 +255,26 @@ def test_release_of_an_expired_lock_raises_lock_not_owned(five):
     with pytest.raises(LockNotOwned):
         lock.release()
     assert lock.lease.lost
+
+
+def test_replies_and_commands_larger_than_one_socket_read_keep_connections_in_step(five):
+    """A reply spread over many socket reads is waited for and read whole, and a command
+    larger than one write goes out whole: every connection stays in step afterwards."""
+    lock = Redlock([s.client() for s in five], "big", timeout=10)
+    warm(lock)
+    held_by = "h" * (1 << 20)  # 1 MiB: many reads of the fan-out's 64 KiB
+    for server in five:
+        server.client().set("big", held_by, px=10_000)
+    assert lock.locked()
+    assert not lock.acquire(blocking=False)
+    assert lock.local.holder[0] == held_by
+    for server in five:
+        server.client().delete("big")
+    # A token as large, on the connections that just carried the large replies.
+    token = b"t" * (1 << 20)
+    assert lock.acquire(blocking=False, token=token)
+    assert wait_until(lambda: lock_values(five, "big") == [token] * 5)
+    assert lock.owned()
+    lock.release()
+    assert wait_until(lambda: lock_values(five, "big") == [None] * 5)
+    warm(lock)

@@ -207,3 +207,33 @@ def test_watchdog_drops_a_spanning_lease_found_not_owned(watchdog_and_clock):
     dog.renew_due()
     assert lease.calls == 1
     assert dog.watched() == 0
+
+
+@pytest.mark.parametrize(
+    ("command", "slot", "script"),
+    [
+        (("EVALSHA", "ab" * 20, 2, "k", "{k}:fence", b"", 10000, 3600000), 5, "acquire"),
+        (("EVAL", "return 1", 1, b"k\xff", b""), 4, None),
+        (("SET", "kéy", b"", "NX", "PX", 1500), 2, None),
+        (("SET", "k", b"", "NX"), 2, None),
+    ],
+)
+@pytest.mark.parametrize("token", [b"0123456789abcdef" * 2, b"", b"t\r\n\x00" * 40])
+def test_a_template_packs_exactly_what_redis_py_packs(command, slot, script, token):
+    """Pre-packed acquire/release bytes equal redis-py's packing of the same command,
+    by SHA and with the script's source alike."""
+    from celery_redlock.nodes import Node, Template
+    from celery_redlock.scripts import ACQUIRE
+
+    conn = redis.Connection()
+    node = Node("n", 1.0, connection_class=redis.Connection, kwargs={})
+    template = Template(command, slot, ACQUIRE if script else None)
+    request = template.request(token)
+    full = (*command[:slot], token, *command[slot + 1 :])
+    assert request.command == full
+    packed = b"".join(request.packed(conn, node))
+    if script:
+        assert packed == b"".join(conn.pack_command(*request.with_source()))
+        node.scripts.add(ACQUIRE.sha)
+        packed = b"".join(template.request(token).packed(conn, node))
+    assert packed == b"".join(conn.pack_command(*full))
