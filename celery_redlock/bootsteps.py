@@ -21,7 +21,7 @@ from . import control, stats
 from .conf import check_settings, flag, parse_queues
 from .exceptions import ConfigurationError
 from .inventory import clients_of
-from .queues import QueueLocks, lock_plain_tasks, register
+from .queues import QueueLocks, check_guarded_tasks, lock_plain_tasks, register
 from .recovery import lock_prefixes, recover_stale
 from .store import redact_url, store_for
 
@@ -56,6 +56,7 @@ def prepare_worker(app: Any, cli_queues: str | None, consumed: Mapping[str, Any]
     locks = QueueLocks(
         {name: queues[name] for name in queues if name in consumed}, consumed.values()
     )
+    check_guarded_tasks(app, locks)
     register(app, locks)
     wrapped = lock_plain_tasks(app) if locks.locked else 0
     if locks.locked:

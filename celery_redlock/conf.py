@@ -21,6 +21,7 @@ __all__ = [
     "DUPLICATE_POLICIES",
     "MODES",
     "OPTIONS",
+    "PUBLISH_SIDE",
     "REDIS_ERROR_POLICIES",
     "SETTINGS",
     "LockOptions",
@@ -42,6 +43,9 @@ REDIS_ERROR_POLICIES = ("requeue", "run", "raise")
 MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
 #: What ``apply_async`` does when a copy of the call is already enqueued.
 DUPLICATE_POLICIES = ("return_existing", "raise")
+#: Options read in ``apply_async`` by the enqueue modes: a locked queue's entry
+#: cannot set them for such a task (the publisher does not know the queue).
+PUBLISH_SIDE = ("key", "key_prefix", "enqueue_ttl", "on_duplicate")
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ class LockOptions:
     Attributes:
         ttl: Lock time to live in seconds; the watchdog renews it at a third.
         key: Which arguments identify a call (see :data:`celery_redlock.keys.KeySpec`).
-        on_conflict: ``"skip"``, ``"requeue"`` or ``"raise"``.
+        on_conflict: ``"skip"``, ``"requeue"`` or ``"raise"``; unset, ``"requeue"``
+            in ``until_and_while_executing`` and ``"skip"`` otherwise.
         on_redis_error: ``"requeue"`` (fail closed), ``"run"`` (fail open) or ``"raise"``.
         requeue_delay: First requeue delay in seconds; doubles with each requeue.
         requeue_max_delay: Cap of the requeue delay in seconds.
@@ -171,6 +176,7 @@ def resolve(
     """
     defaults = LockOptions()
     values: dict[str, Any] = {}
+    unset: set[str] = set()
     queue_options = queue_options or {}
     for name, (validate, app_wide) in OPTIONS.items():
         value = getattr(task, f"lock_{name}", None)
@@ -182,6 +188,12 @@ def resolve(
             value = conf.get(f"redlock_{name}")
             source = f"redlock_{name}"
         values[name] = getattr(defaults, name) if value is None else validate(source, value)
+        if value is None:
+            unset.add(name)
+    if "on_conflict" in unset and values["mode"] == "until_and_while_executing":
+        # The one waiting copy usually reaches a free worker while the last
+        # one runs; skipping it would drop the call every duplicate folded into.
+        values["on_conflict"] = "requeue"
     options = LockOptions(**values)
     if options.requeue_max_delay < options.requeue_delay:
         raise ConfigurationError(
@@ -197,6 +209,18 @@ def resolve(
             queue_options["mode"],
             "a queue can only lock while_executing; set lock_mode on the task",
         )
+    if queue is not None and options.mode != MODES[0]:
+        for name in PUBLISH_SIDE:
+            if name in queue_options:
+                # apply_async reserves before any queue is known: a queue entry
+                # changing the key would make the worker look for another one.
+                raise ConfigurationError(
+                    f"redlock_queues[{queue!r}].{name}",
+                    queue_options[name],
+                    f"cannot apply to {task.name} (mode {options.mode}): its enqueue "
+                    f"lock is taken in apply_async, which knows no queue; set lock_{name} "
+                    "on the task",
+                )
     return options
 
 

@@ -27,14 +27,15 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn, TypeVar
 
 from celery.utils import uuid
+from celery.utils.time import maybe_iso8601
 from redis.exceptions import RedisError
 
 from . import signals
 from .exceptions import DuplicateTask, LockError
-from .guard import TaskGuard, current_lock, header_of
+from .guard import REQUEUES_HEADER, TaskGuard, current_lock, header_of
 from .holder import Holder
 from .lock import Lease, Lock
-from .scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+from .scripts import CANCEL_RESERVE, DEQUEUE, HANDOVER, RELEASE, RESERVE
 
 __all__ = [
     "CANVAS_OPTIONS",
@@ -58,15 +59,19 @@ RESERVATION_HEADER = "x_redlock_reservation"
 #: folded into an existing copy: the copy would not carry its continuation.
 CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 
+#: How often a reservation whose RESERVE reply was lost is cancelled before giving up.
+CANCEL_ATTEMPTS = 3
+
 UNTIL_EXECUTING = "until_executing"
 UNTIL_EXECUTED = "until_executed"
 
 #: Publishes one message: ``(args, kwargs, task_id, options) -> AsyncResult``.
 Publish = Callable[[Any, Any, str, "dict[str, Any]"], Any]
 
-# Leases of until_executed runs whose lock was handed back to a queued copy of
-# the same task (a retry): the run must neither renew nor release it.
-_handed_over: weakref.WeakSet[Lease] = weakref.WeakSet()
+# Leases of until_executed attempts that published their own retry: when the
+# attempt ends, its lock becomes the retry's reservation (value, monotonic
+# deadline) instead of being released.
+_handovers: weakref.WeakKeyDictionary[Lease, tuple[str, float]] = weakref.WeakKeyDictionary()
 
 
 def reservation_key(mode: str, key: str) -> str:
@@ -79,22 +84,35 @@ def reservation_key(mode: str, key: str) -> str:
     return key if mode == UNTIL_EXECUTED else f"{key}:queued"
 
 
+def cancel_key(rkey: str) -> str:
+    """Return the key that voids a reservation value whose ``RESERVE`` reply was lost.
+
+    Same hash slot as ``rkey`` (it shares its hash tag); see ``scripts.CANCEL_RESERVE``.
+    """
+    return f"{rkey}:cancel"
+
+
 def publish_delay(options: Mapping[str, Any], now: float | None = None) -> float:
     """Seconds until a message published with ``options`` may run (its countdown or eta).
 
-    A naive ``eta`` is read both as UTC and as local time and the later
-    reading wins: a reservation that lasts a little long is harmless, one that
-    lapses before the task runs is not.
+    Read as Celery reads them: a falsy ``countdown`` (``0``) is ignored and
+    ``eta`` applies. A naive ``eta`` is read both as UTC and as local time and
+    the later reading wins: a reservation that lasts a little long is harmless,
+    one that lapses before the task runs is not. A string ``eta`` is parsed as
+    Celery parses it (``Z`` suffixes included, on every Python); one that does
+    not parse counts as no delay, so the publish goes ahead and Celery itself
+    reports the bad value.
     """
     now = time.time() if now is None else now
     countdown = options.get("countdown")
-    if countdown is not None:
+    if countdown:
         return max(0.0, float(countdown))
     eta = options.get("eta")
-    if eta is None:
-        return 0.0
     if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
+        try:
+            eta = maybe_iso8601(eta)
+        except (ValueError, OverflowError):
+            return 0.0
     if not isinstance(eta, datetime):
         return 0.0
     if eta.tzinfo is not None:
@@ -168,21 +186,32 @@ def apply_async(
     own = not request.called_directly and request.id == task_id
     lease = current_lock() if own else None
     handing = lease is not None and lease.name == rkey and not lease.released
+    # The reservation the running message carries. A republish that cannot
+    # take a new one keeps it in the new message: the next delivery then still
+    # finds its reservation (a requeue while Redis is down) or learns that it
+    # lapsed, instead of passing for a message that bypassed apply_async.
+    kept = header_of(request, RESERVATION_HEADER) if own else None
     replace: Any = ""
     if handing:
         assert lease is not None
         replace = lease.token
     elif own:
-        replace = header_of(request, RESERVATION_HEADER) or ""
+        replace = kept or ""
     value = Holder.new(task_id).encode()
     ttl_ms = max(1, int((publish_delay(options) + opts.enqueue_ttl) * 1000))
     label = f"task {task.name}[{task_id}]"
-    lent = _Loan(lease) if handing and lease is not None else None
+    if handing:
+        assert lease is not None
+        return _publish_retry(
+            guard, publish, (args, kwargs, task_id), options, lease, value, ttl_ms
+        )
     try:
-        reply = RESERVE(guard.store.client, (rkey,), (value, ttl_ms, replace))
+        reply = RESERVE(guard.store.client, (rkey, cancel_key(rkey)), (value, ttl_ms, replace))
     except RedisError as exc:
-        if lent is not None:
-            lent.give_back()
+        # A RESERVE whose reply never came may have run, or may still run
+        # after the client gave up: take it back, or the key would name a task
+        # that was never published (or hide a running attempt's lock).
+        _cancel(guard, rkey, value, ttl_ms, label)
         if own or opts.on_redis_error == "run":
             logger.warning(
                 "%s: lock store unreachable for %s (%r); publishing WITHOUT an enqueue lock",
@@ -190,14 +219,12 @@ def apply_async(
                 rkey,
                 exc,
             )
-            return publish(args, kwargs, task_id, _with_reservation(options, None))
+            return publish(args, kwargs, task_id, _with_reservation(options, kept))
         raise LockError(
             f"{label} was not published: lock store unreachable for {rkey}: {exc!r}",
             lock_name=rkey,
         ) from exc
     if reply != 1:
-        if lent is not None:
-            lent.give_back()
         pttl_ms, held = reply
         holder = Holder.parse(held)
         holder_id = holder.task_id if holder else None
@@ -205,7 +232,13 @@ def apply_async(
             # The key already names this task (or another copy of a task
             # continuing itself): publish without taking it over.
             logger.debug("%s: %s is held by %s; republishing as is", label, rkey, holder_id)
-            return publish(args, kwargs, task_id, _with_reservation(options, None))
+            # A requeue by the lock carries its stale value on, so a copy whose
+            # reservation lapsed is still known as one (and never skipped); a
+            # retry meeting a newer copy is published like a fresh message.
+            requeue = REQUEUES_HEADER in (options.get("headers") or {})
+            return publish(
+                args, kwargs, task_id, _with_reservation(options, kept if requeue else None)
+            )
         holder_ttl = pttl_ms / 1000 if pttl_ms >= 0 else None
         canvas = is_canvas(options)
         if holder_id is None or opts.on_duplicate == "raise" or canvas:
@@ -222,53 +255,44 @@ def apply_async(
     try:
         return publish(args, kwargs, task_id, _with_reservation(options, value))
     except BaseException:
-        _undo(guard, rkey, value, lent, label)
+        _undo(guard, rkey, value, label)
         raise
 
 
-class _Loan:
-    """The lock of a running until_executed attempt, lent to the reservation of its retry.
+def _publish_retry(
+    guard: TaskGuard,
+    publish: Publish,
+    call: tuple[Any, Any, str],
+    options: dict[str, Any],
+    lease: Lease,
+    value: str,
+    ttl_ms: int,
+) -> Any:
+    """Publish the retry of a running until_executed attempt; its lock passes on at the end.
 
-    While lent, the attempt neither renews nor releases it: the key holds the
-    retry's reservation. Renewal stops before the key changes, or a renewal
-    racing with ``RESERVE`` would find the new value and report the lock lost.
+    The attempt keeps (and renews) its lock until it ends: code after
+    ``self.retry()`` stays covered, and a retry that comes due meanwhile meets
+    the lock of its own task id and waits. When the attempt ends, the lock
+    becomes the retry's reservation in one compare-and-set (see
+    :meth:`EnqueueGuard._release`). Nothing is stored before the publish, so a
+    failed publish leaves the attempt's lock as it was.
     """
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-        self.on_lost = lease.on_lost
-        lease.released = True
-        lease.on_lost = None
-        _handed_over.add(lease)
-
-    def give_back(self) -> None:
-        """Let the attempt renew and release the lock again."""
-        from .renewal import default_watchdog
-
-        lease = self.lease
-        _handed_over.discard(lease)
-        lease.on_lost = self.on_lost
-        lease.released = False
-        if lease.ttl is not None:
-            default_watchdog().watch(lease)
-
-
-def _undo(guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: str) -> None:
-    """After a failed publish: release the reservation, or give a lent lock back to its attempt."""
+    args, kwargs, task_id = call
+    label = f"task {guard.task.name}[{task_id}]"
     try:
-        if lent is None:
-            RELEASE(guard.store.client, (rkey,), (value,))
+        result = publish(args, kwargs, task_id, _with_reservation(options, value))
+    except BaseException:
+        logger.info("%s: publish failed; the running attempt keeps %s", label, lease.name)
+        raise
+    _handovers[lease] = (value, time.monotonic() + ttl_ms / 1000)
+    return result
+
+
+def _undo(guard: TaskGuard, rkey: str, value: str, label: str) -> None:
+    """Take back a reservation nothing was published for (compare-and-delete, best effort)."""
+    try:
+        if RELEASE(guard.store.client, (rkey,), (value,)):
             logger.info("%s: publish failed; released its reservation %s", label, rkey)
-            return
-        lease, ttl = lent.lease, lent.lease.ttl or 0.0
-        try:
-            sent_at = time.monotonic()
-            if RESERVE(guard.store.client, (rkey,), (lease.token, int(ttl * 1000), value)) == 1:
-                lease.validate_until(sent_at, ttl)
-        finally:
-            # Even if Redis failed too: the attempt then finds its lock gone and says so.
-            lent.give_back()
-        logger.info("%s: publish failed; the running attempt keeps %s", label, rkey)
     except RedisError as exc:
         logger.warning(
             "%s: publish failed and its reservation %s could not be released (%r); "
@@ -277,6 +301,36 @@ def _undo(guard: TaskGuard, rkey: str, value: str, lent: _Loan | None, label: st
             rkey,
             exc,
         )
+
+
+def _cancel(guard: TaskGuard, rkey: str, value: str, ttl_ms: int, label: str) -> None:
+    """After a RESERVE that failed without a reply: undo it, now or whenever it runs.
+
+    Redis runs commands from different connections in no set order, so a plain
+    release sent now could run before the lost ``RESERVE``; ``CANCEL_RESERVE``
+    leaves a cancel key that turns the late ``RESERVE`` into a no-op instead.
+    It is idempotent, so it is tried up to :data:`CANCEL_ATTEMPTS` times: a
+    server that was busy (the usual cause of a timeout) often answers the next.
+    """
+    for attempt in range(1, CANCEL_ATTEMPTS + 1):
+        try:
+            CANCEL_RESERVE.send(
+                guard.store.client, (rkey, cancel_key(rkey)), (value, "", 1, ttl_ms)
+            )
+        except RedisError as exc:
+            if attempt < CANCEL_ATTEMPTS:
+                continue
+            logger.warning(
+                "%s: the reservation %s may have been taken and could not be cancelled "
+                "(%r); if so, it expires within %ss",
+                label,
+                rkey,
+                exc,
+                ttl_ms / 1000,
+            )
+            return
+        logger.info("%s: cancelled its reservation %s", label, rkey)
+        return
 
 
 # -- worker side ---------------------------------------------------------------------
@@ -312,6 +366,8 @@ class HandoverLock(Lock):
         self.reservation_key = reservation_key
         self.reservation = reservation
         self.on_lapsed = on_lapsed
+        #: The message carried a reservation that was gone when it started.
+        self.lapsed = False
 
     def do_acquire(self, token: bytes) -> bool:
         """Make one attempt; on success store the new lease for this thread."""
@@ -322,7 +378,10 @@ class HandoverLock(Lock):
             (token, self._ttl_ms, self._fence_retention_ms, self.reservation or ""),
         )
         found = bool(rest[0]) if status == 0 else bool(second)
-        if self.reservation and not found:
+        if self.reservation and not found and not (status == 0 and _same_task(token, second)):
+            # (An earlier attempt or delivery of this very task holding the key
+            # is not a lapse: its lock passes to this message when it ends.)
+            self.lapsed = True
             self.on_lapsed()
         if status == 0:
             self.local.holder = (_decode(second), first / 1000 if first >= 0 else None)
@@ -330,6 +389,12 @@ class HandoverLock(Lock):
         self.local.holder = None
         self.local.lease = self._new_lease(Lease, self.redis, token, int(first), sent_at)
         return True
+
+
+def _same_task(token: Any, held: Any) -> bool:
+    """``True`` if two lock values name the same task id."""
+    ours, theirs = Holder.parse(token), Holder.parse(held)
+    return ours is not None and theirs is not None and ours.task_id == theirs.task_id
 
 
 class EnqueueGuard(TaskGuard):
@@ -358,10 +423,12 @@ class EnqueueGuard(TaskGuard):
         try:
             reply = DEQUEUE(self.client, (rkey,), (value or "",))
         except RedisError as exc:
-            return self._redis_failed(rkey, exc, body)
+            return self._redis_failed(key, exc, body)
         if value and reply != 1:
+            # This call was reserved; a newer copy's reservation (if any) is
+            # not a reason to drop it, and this mode has no execution lock.
             self._lapsed(rkey)
-        if isinstance(reply, list):
+        elif isinstance(reply, list):
             pttl_ms, held = reply
             shim = super()._new_lock(rkey, request.id, f"task {self.task.name}[{request.id}]")
             shim.local.holder = (_decode(held), pttl_ms / 1000 if pttl_ms >= 0 else None)
@@ -382,6 +449,10 @@ class EnqueueGuard(TaskGuard):
 
     def _conflict(self, key: str, lock: Lock) -> NoReturn:
         try:
+            if isinstance(lock, HandoverLock):
+                if lock.lapsed:
+                    self._lapsed_conflict(key, lock)
+                self._retry_waits(key, lock)
             super()._conflict(key, lock)
         finally:
             # until_and_while_executing: this copy ends (skip, raise) or was
@@ -394,19 +465,112 @@ class EnqueueGuard(TaskGuard):
                     logger.warning("could not drop reservation %s: %r", lock.reservation_key, exc)
 
     def _release(self, lock: Lock, lease: Lease) -> None:
-        if lease in _handed_over:
-            _handed_over.discard(lease)
+        handover = _handovers.pop(lease, None)
+        if handover is None:
+            return super()._release(lock, lease)
+        value, deadline = handover
+        # Flag first, as a release does: the watchdog stops renewing, and a
+        # renewal racing with the swap does not report the lock lost.
+        lease.released = True
+        lease.on_lost = None
+        ttl_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            swapped = RESERVE(self.client, (lease.name,), (value, ttl_ms, lease.token)) == 1
+        except RedisError as exc:
+            logger.warning(
+                "%s: could not hand the lock to the retry (%r); it expires within %ss",
+                lease.describe(),
+                exc,
+                lease.ttl,
+            )
+            return None
+        if swapped:
             logger.debug("%s was handed to the task's next attempt", lease.describe())
+        else:
+            logger.error("%s was lost before the task finished", lease.describe())
+        return None
+
+    def _lapsed_conflict(self, key: str, lock: HandoverLock) -> None:
+        """A reserved call whose reservation lapsed meets another holder: never skip it.
+
+        The call was published and its callers may wait on it; it can neither
+        run beside the holder nor be dropped as a duplicate. ``"skip"`` turns
+        into a requeue; ``"requeue"`` and ``"raise"`` apply as configured.
+        """
+        request = self.task.request
+        value, holder_ttl = lock.local.holder or (None, None)
+        holder = Holder.parse(value)
+        holder_id = holder.task_id if holder else None
+        if holder_id == request.id or self.options.on_conflict != "skip" or request.is_eager:
             return
-        super()._release(lock, lease)
+        self._contended(key, holder, "requeue")
+        self._requeue(key, holder_id, holder_ttl)
+
+    def _retry_waits(self, key: str, lock: HandoverLock) -> None:
+        """A retry that came due while the attempt that published it still runs: wait.
+
+        The attempt's lock becomes this message's reservation when it ends.
+        This is a new attempt, not a redelivery, so it must run even if the
+        earlier attempt ends in success (``retry(throw=False)``).
+        """
+        request = self.task.request
+        value, holder_ttl = lock.local.holder or (None, None)
+        holder = Holder.parse(value)
+        if (
+            not lock.reservation
+            or holder is None
+            or holder.task_id != request.id
+            or (request.delivery_info or {}).get("redelivered")
+        ):
+            return
+        self._contended(key, holder, "requeue")
+        self._requeue(key, holder.task_id, holder_ttl, own=True, recheck=False)
+
+    def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
+        """As :class:`TaskGuard`, and the message's reservation does not outlive the call.
+
+        A requeue carries the reservation on (see :func:`apply_async`); a call
+        that runs without the lock, or fails, takes it back afterwards when
+        Redis is reachable again, or later calls would be folded into a call
+        that is over.
+        """
+        if self.options.on_redis_error == "requeue":
+            return super()._redis_failed(key, exc, body)
+        try:
+            return super()._redis_failed(key, exc, body)
+        finally:
+            self._drop_reservation(reservation_key(self.options.mode, key))
+
+    def _drop_reservation(self, rkey: str) -> None:
+        value = header_of(self.task.request, RESERVATION_HEADER)
+        if not value:
+            return
+        try:
+            if RELEASE(self.client, (rkey,), (value,)):
+                logger.info(
+                    "task %s[%s]: took back its reservation %s",
+                    self.task.name,
+                    self.task.request.id,
+                    rkey,
+                )
+        except RedisError as exc:
+            logger.warning(
+                "task %s[%s]: could not take back its reservation %s (%r); it expires by itself",
+                self.task.name,
+                self.task.request.id,
+                rkey,
+                exc,
+            )
 
     def _lapsed(self, rkey: str) -> None:
         task, request = self.task, self.task.request
         if (request.delivery_info or {}).get("redelivered"):
             return  # a redelivered message's reservation was released on purpose
+        if header_of(request, REQUEUES_HEADER):
+            return  # reported when the lock first sent it back
         logger.warning(
             "task %s[%s]: its enqueue lock %s lapsed before it started (mode %s); "
-            "running it anyway",
+            "it runs when its key is free, never dropped as a duplicate",
             task.name,
             request.id,
             rkey,

@@ -218,7 +218,12 @@ class TaskGuard:
         )
 
     def _requeue(
-        self, key: str, holder_id: str | None, holder_ttl: float | None, own: bool = False
+        self,
+        key: str,
+        holder_id: str | None,
+        holder_ttl: float | None,
+        own: bool = False,
+        recheck: bool = True,
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
 
@@ -230,6 +235,8 @@ class TaskGuard:
                 once, inside this call), or when ``max_requeues`` ran out. A
                 redelivery meeting its own lock (``own``) never runs out: its
                 first delivery either finishes or dies, and the lock expires.
+                With ``recheck`` such a copy is marked to drop itself if the
+                holder turns out to have finished the task.
         """
         task, request = self.task, self.task.request
         attempt = int(header_of(request, REQUEUES_HEADER) or 0) + 1
@@ -255,7 +262,7 @@ class TaskGuard:
             delay = min(delay, holder_ttl + 0.1)
         headers = dict(request.headers or {})
         headers[REQUEUES_HEADER] = attempt
-        if own:
+        if own and recheck:
             headers[SELF_HEADER] = 1
         try:
             task.signature_from_request(request, countdown=delay, headers=headers).apply_async()

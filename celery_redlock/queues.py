@@ -14,10 +14,18 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .conf import resolve
 from .exceptions import ConfigurationError
 from .guard import guard_for
 
-__all__ = ["QueueLocks", "lock_plain_tasks", "locked_queue", "register", "registered"]
+__all__ = [
+    "QueueLocks",
+    "check_guarded_tasks",
+    "lock_plain_tasks",
+    "locked_queue",
+    "register",
+    "registered",
+]
 
 #: Marks task classes that take their lock themselves (SingletonTask).
 GUARDED_ATTRIBUTE = "__redlock_guarded__"
@@ -115,6 +123,23 @@ def lock_plain_tasks(app: Any) -> int:
         task.run = _guarded(task, task.run)
         wrapped += 1
     return wrapped
+
+
+def check_guarded_tasks(app: Any, locks: QueueLocks) -> None:
+    """Resolve each self-locking task's options for each locked queue, at worker start.
+
+    A queue entry that cannot apply to such a task (see
+    :func:`celery_redlock.conf.resolve`) then stops the worker before a
+    message is taken, not at the first call from that queue.
+
+    Raises:
+        ConfigurationError: Naming the queue entry's option at fault.
+    """
+    for name, task in list(app.tasks.items()):
+        if name.startswith("celery.") or not getattr(task, GUARDED_ATTRIBUTE, False):
+            continue
+        for queue, options in locks.locked.items():
+            resolve(task, app.conf, queue, options)
 
 
 def _guarded(task: Any, body: Any) -> Any:

@@ -20,6 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 __all__ = [
     "ACQUIRE",
+    "CANCEL_RESERVE",
     "DEQUEUE",
     "HANDOVER",
     "RAISE_FENCE",
@@ -148,6 +149,16 @@ class Script:
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
+
+    def send(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run the script with ``EVAL``, source included, and return its reply.
+
+        For a rare call that must take effect even if its reply is lost: an
+        ``EVALSHA`` of a script the server has not cached yet answers
+        ``NOSCRIPT`` and does nothing, and a caller that timed out never sends
+        the ``EVAL`` fallback.
+        """
+        return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
     def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
         """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
@@ -312,21 +323,54 @@ return 1
 # Enqueue lock: reserve a call's key before its message is published.
 #
 # KEYS[1]  reservation key
+# KEYS[2]  (optional) its cancel key, same hash slot: see CANCEL_RESERVE
 # ARGV[1]  value to store (the new message's holder value)
 # ARGV[2]  ttl in milliseconds (> 0)
 # ARGV[3]  a value this reservation may replace ("" for none): the one held by
 #          the message being republished (retry, requeue), so a task can renew
 #          its own reservation while a duplicate still cannot take it
-# Returns  1 when stored, otherwise the table {holder's PTTL in ms, holder's value}.
+# Returns  1 when stored; 0 when the caller had already cancelled this value;
+#          otherwise the table {holder's PTTL in ms, holder's value}.
 RESERVE = Script(
     "reserve",
     """
+if KEYS[2] and redis.call('GET', KEYS[2]) == ARGV[1] then
+  return 0
+end
 local current = redis.call('GET', KEYS[1])
 if current and current ~= ARGV[1] and (ARGV[3] == '' or current ~= ARGV[3]) then
   return {redis.call('PTTL', KEYS[1]), current}
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
+""",
+)
+
+# Take back a RESERVE whose reply never came (a timeout): it may have run, or may
+# still be waiting to run behind other commands, possibly on another connection.
+#
+# KEYS[1]  reservation key
+# KEYS[2]  its cancel key (same hash slot)
+# ARGV[1]  the value that RESERVE sent
+# ARGV[2]  the value to put back if it did run ("" to delete the key)
+# ARGV[3]  ttl in milliseconds of the value put back
+# ARGV[4]  how long the cancel key stays, in milliseconds (> 0)
+# Returns  1 when the reservation had been stored and is now undone; 0 when it
+#          was not there: the cancel key then makes a late RESERVE of that value
+#          a no-op.
+CANCEL_RESERVE = Script(
+    "cancel_reserve",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[2] == '' then
+    redis.call('DEL', KEYS[1])
+  else
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+  end
+  return 1
+end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
+return 0
 """,
 )
 

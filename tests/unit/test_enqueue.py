@@ -122,6 +122,40 @@ def test_publish_delay():
     assert publish_delay({"eta": naive}, now) >= 7 - 1e-6
 
 
+def test_publish_delay_reads_countdown_and_eta_as_celery_does():
+    """countdown=0 defers to eta, as in Celery; 'Z' and junk etas parse without raising."""
+    now = 1_000_000.0
+    eta = datetime.fromtimestamp(now, timezone.utc) + timedelta(seconds=30)
+    assert publish_delay({"countdown": 0, "eta": eta}, now) == pytest.approx(30)
+    assert publish_delay({"countdown": None, "eta": eta}, now) == pytest.approx(30)
+    zulu = eta.strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert publish_delay({"eta": zulu}, now) == pytest.approx(30)
+    assert publish_delay({"eta": "not a date"}, now) == 0.0
+
+
+def test_until_and_while_executing_requeues_a_conflict_by_default():
+    """The one waiting copy is never skipped unless lock_on_conflict says so."""
+    assert resolve(task_with(mode="until_and_while_executing"), {}).on_conflict == "requeue"
+    conf = {"redlock_mode": "until_and_while_executing"}
+    assert resolve(FakeTask, conf).on_conflict == "requeue"
+    assert resolve(FakeTask, {**conf, "redlock_on_conflict": "skip"}).on_conflict == "skip"
+    explicit = task_with(mode="until_and_while_executing", on_conflict="raise")
+    assert resolve(explicit, {}).on_conflict == "raise"
+    for mode in ("while_executing", "until_executing", "until_executed"):
+        assert resolve(task_with(mode=mode), {}).on_conflict == "skip"
+
+
+@pytest.mark.parametrize("option", ["key", "key_prefix", "enqueue_ttl", "on_duplicate"])
+def test_a_queue_entry_cannot_change_what_apply_async_reserves(option):
+    """Enqueue modes: a locked queue's key, prefix, enqueue TTL or duplicate policy is refused."""
+    value = {"key": ["x"], "key_prefix": "q", "enqueue_ttl": 5, "on_duplicate": "raise"}[option]
+    with pytest.raises(ConfigurationError) as info:
+        resolve(task_with(mode="until_executed"), {}, "q", {option: value})
+    assert (info.value.setting, info.value.value) == (f"redlock_queues['q'].{option}", value)
+    resolve(task_with(mode="while_executing"), {}, "q", {option: value})
+    resolve(task_with(mode="until_executed"), {}, "q", {"on_conflict": "raise", "ttl": 3})
+
+
 def test_canvas_calls():
     """A chain, callbacks, errbacks, group or chord membership make a call part of a canvas."""
     assert not is_canvas({})
