@@ -27,6 +27,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(autouse=True)
+def _forget_shared_tasks() -> Iterator[None]:
+    """Keep a test's shared tasks (Celery's default) out of later tests.
+
+    ``@app.task`` without ``shared=False`` registers a callback that binds the
+    task to every app finalized afterwards in the process: a SingletonTask
+    left behind would then validate its lock settings against unrelated apps.
+    """
+    from celery import _state
+
+    before = set(_state._on_app_finalizers)
+    yield
+    _state._on_app_finalizers.intersection_update(before)
+
+
 @pytest.fixture(scope="session")
 def redis_server_binary() -> str:
     """Path of the ``redis-server`` binary; the run fails (never skips) without one."""
