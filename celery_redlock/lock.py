@@ -117,6 +117,61 @@ def check_options(
     return ttl
 
 
+class LockSettings:
+    """The options every lock class takes (sync and asyncio), validated and stored once.
+
+    Both lock classes keep redis-py's constructor signature for drop-in use and
+    hand its values to :meth:`_configure`, so a new option is added in one place.
+    """
+
+    timeout: float | None
+
+    def _configure(
+        self,
+        redis: Any,
+        name: str,
+        *,
+        timeout: Number | None,
+        sleep: Number,
+        blocking: bool,
+        blocking_timeout: Number | None,
+        thread_local: bool,
+        raise_on_release_error: bool,
+        auto_renew: bool,
+        on_lost: LostCallback | None,
+        fencing: bool,
+        fence_key: str | None,
+        fence_retention: Number,
+        drift_factor: float,
+        clock: Clock,
+        label: str | None,
+    ) -> None:
+        self.timeout = check_options(
+            timeout=timeout,
+            sleep=sleep,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            drift_factor=drift_factor,
+            fence_retention=fence_retention,
+        )
+        self.redis = redis
+        self.name = name
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.fencing = fencing
+        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        self._fence_retention_ms = int(fence_retention * 1000)
+        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
+        self.drift_factor = drift_factor
+        self._clock = clock
+        self.label = label
+
+
 class Lease:
     """One acquisition of a lock: what the holder has and how long it is valid.
 
@@ -297,7 +352,7 @@ class _SharedState:
         self.failure: LockError | None = None
 
 
-class Lock:
+class Lock(LockSettings):
     """A distributed lock on one Redis server, compatible with ``redis.lock.Lock``.
 
     Args:
@@ -348,31 +403,25 @@ class Lock:
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.timeout = check_options(
+        self._configure(
+            redis,
+            name,
             timeout=timeout,
             sleep=sleep,
+            blocking=blocking,
             blocking_timeout=blocking_timeout,
+            thread_local=thread_local,
+            raise_on_release_error=raise_on_release_error,
             auto_renew=auto_renew,
-            drift_factor=drift_factor,
+            on_lost=on_lost,
+            fencing=fencing,
+            fence_key=fence_key,
             fence_retention=fence_retention,
+            drift_factor=drift_factor,
+            clock=clock,
+            label=label,
         )
-        self.redis = redis
-        self.name = name
-        self.sleep = sleep
-        self.blocking = blocking
-        self.blocking_timeout = blocking_timeout
-        self.thread_local = bool(thread_local)
-        self.raise_on_release_error = raise_on_release_error
-        self.auto_renew = auto_renew
-        self.on_lost = on_lost
-        self.fencing = fencing
-        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
-        self._fence_retention_ms = int(fence_retention * 1000)
-        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
-        self.drift_factor = drift_factor
         self._watchdog = watchdog
-        self._clock = clock
-        self.label = label
         self.local: _ThreadState | _SharedState = (
             _ThreadState() if self.thread_local else _SharedState()
         )

@@ -36,9 +36,8 @@ from celery_redlock.lock import (
     DEFAULT_FENCE_RETENTION,
     Clock,
     Lease,
+    LockSettings,
     LostCallback,
-    check_options,
-    fence_key_for,
     positive_seconds,
 )
 from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
@@ -69,7 +68,7 @@ class TaskState:
         self.renewal: asyncio.Task[None] | None = None
 
 
-class Lock:
+class Lock(LockSettings):
     """A distributed lock on one Redis server for ``redis.asyncio`` clients.
 
     Compatible with ``redis.asyncio.lock.Lock`` (``client.lock(name,
@@ -121,30 +120,24 @@ class Lock:
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.timeout = check_options(
+        self._configure(
+            redis,
+            name,
             timeout=timeout,
             sleep=sleep,
+            blocking=blocking,
             blocking_timeout=blocking_timeout,
+            thread_local=thread_local,
+            raise_on_release_error=raise_on_release_error,
             auto_renew=auto_renew,
-            drift_factor=drift_factor,
+            on_lost=on_lost,
+            fencing=fencing,
+            fence_key=fence_key,
             fence_retention=fence_retention,
+            drift_factor=drift_factor,
+            clock=clock,
+            label=label,
         )
-        self.redis = redis
-        self.name = name
-        self.sleep = sleep
-        self.blocking = blocking
-        self.blocking_timeout = blocking_timeout
-        self.thread_local = bool(thread_local)
-        self.raise_on_release_error = raise_on_release_error
-        self.auto_renew = auto_renew
-        self.on_lost = on_lost
-        self.fencing = fencing
-        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
-        self._fence_retention_ms = int(fence_retention * 1000)
-        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
-        self.drift_factor = drift_factor
-        self._clock = clock
-        self.label = label
         self._shared = None if self.thread_local else TaskState()
         # Per-task states die with their tasks.
         self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], TaskState] = (
