@@ -30,6 +30,40 @@ from celery_redlock.guard import REQUEUES_HEADER
 from celery_redlock.scripts import CANCEL_RESERVE, RESERVE
 
 
+@pytest.fixture(autouse=True)
+def _signal_receivers_end_with_the_test() -> Iterator[None]:
+    """Disconnect, after each test, the receivers it connected (they append, assert, or
+    change the server's ACL, and must not run during later tests)."""
+    watched = [
+        celery_signals.before_task_publish,
+        *(getattr(redlock_signals, name) for name in redlock_signals.__all__),
+    ]
+    before = [list(signal.receivers) for signal in watched]
+    yield
+    for signal, receivers in zip(watched, before):
+        signal.receivers[:] = receivers
+        signal.sender_receivers_cache.clear()
+
+
+class Overlap:
+    """Counts the bodies of one task running at once; ``peak`` is the most seen."""
+
+    def __init__(self) -> None:
+        self.active = self.peak = 0
+        self._mutex = threading.Lock()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        with self._mutex:
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self.active -= 1
+
+
 @pytest.fixture
 def make_app(redis_server: Any) -> Any:
     def make(url_query: str = "", **conf: Any) -> Celery:
@@ -348,8 +382,7 @@ def test_a_lapsed_copy_meeting_a_newer_reservation_still_runs(
 def test_cleanup_after_retry_never_overlaps_the_next_attempt(make_app: Any, r: redis.Redis) -> None:
     """The lock passes to the retry when the attempt ends, not when the retry is published."""
     app = make_app()
-    active, peak, finished = [0], [0], []
-    mutex = threading.Lock()
+    overlap, finished = Overlap(), []
     lapsed: list[Any] = []
     redlock_signals.lock_lapsed.connect(lambda **kw: lapsed.append(kw), weak=False)
 
@@ -364,26 +397,22 @@ def test_cleanup_after_retry_never_overlaps_the_next_attempt(make_app: Any, r: r
         max_retries=1,
     )
     def job(self: Any, x: int) -> int:
-        with mutex:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
         try:
-            if self.request.retries == 0:
-                try:
-                    raise self.retry(countdown=0)
-                finally:
-                    time.sleep(0.5)  # the attempt's own cleanup, after the retry is out
-            return x
+            with overlap.running():
+                if self.request.retries == 0:
+                    try:
+                        raise self.retry(countdown=0)
+                    finally:
+                        time.sleep(0.5)  # the attempt's own cleanup, after the retry is out
+                return x
         finally:
-            with mutex:
-                active[0] -= 1
             finished.append(self.request.retries)
 
     with worker(app, concurrency=2):
         result = job.delay(1)
         assert result.get(timeout=15) == 1
     assert finished == [0, 1]
-    assert peak[0] == 1
+    assert overlap.peak == 1
     assert not r.exists(job.lock_key_for(1))
     assert lapsed == []
 
@@ -393,8 +422,7 @@ def test_a_retry_published_with_throw_false_runs_after_the_attempt(
 ) -> None:
     """retry(throw=False), then success: the retry waits for the attempt, then still runs."""
     app = make_app()
-    active, peak, finished = [0], [0], []
-    mutex = threading.Lock()
+    overlap, finished = Overlap(), []
 
     @app.task(
         base=SingletonTask,
@@ -407,22 +435,18 @@ def test_a_retry_published_with_throw_false_runs_after_the_attempt(
         max_retries=1,
     )
     def job(self: Any, x: int) -> int:
-        with mutex:
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
         try:
-            if self.request.retries == 0:
-                self.retry(countdown=0, throw=False)  # a follow-up, then this attempt goes on
-                time.sleep(0.5)
-            return x
+            with overlap.running():
+                if self.request.retries == 0:
+                    self.retry(countdown=0, throw=False)  # a follow-up, then this attempt goes on
+                    time.sleep(0.5)
+                return x
         finally:
-            with mutex:
-                active[0] -= 1
             finished.append(self.request.retries)
 
     with worker(app, concurrency=2):
         job.delay(1)
         wait_for(lambda: len(finished) == 2, timeout=15)
     assert finished == [0, 1]
-    assert peak[0] == 1
+    assert overlap.peak == 1
     wait_for(lambda: not r.exists(job.lock_key_for(1)), timeout=5)
