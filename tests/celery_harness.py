@@ -46,6 +46,7 @@ __all__ = [
     "Execution",
     "History",
     "HistoryRecorder",
+    "UnlockedLease",
     "WorkerError",
     "delete_prefixed_keys",
     "history_key",
@@ -53,6 +54,7 @@ __all__ = [
     "running_key",
     "start_all",
     "task_states",
+    "wait_for_gate",
     "wait_until",
 ]
 
@@ -70,6 +72,30 @@ T = TypeVar("T")
 
 class WorkerError(RuntimeError):
     """A test worker could not be started, or a broker is not reachable."""
+
+
+class UnlockedLease:
+    """Stands in for the lease of a run that holds no lock, so its execution is recorded too."""
+
+    fence = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def wait_for_gate(client: redis.Redis, gate: str | None, timeout: float) -> bool:
+    """Wait (in a test task) until key ``gate`` exists; ``False`` if ``timeout`` passed first.
+
+    Tests open a gate to let a holding task finish exactly when they choose.
+    """
+    if gate is None:
+        return True
+    deadline = time.monotonic() + timeout
+    while not client.exists(gate):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def wait_until(

@@ -22,7 +22,7 @@ from celery.exceptions import Reject
 
 from celery_redlock import SingletonTask, current_lock, signals
 from celery_redlock.conf import MODES
-from tests.celery_harness import record_execution
+from tests.celery_harness import UnlockedLease, record_execution, wait_for_gate
 
 __all__ = [
     "DUPLICATE_POLICIES",
@@ -90,30 +90,9 @@ def _announce(task: Task, **extra: Any) -> None:
     _client(task).rpush(started_key(prefix), json.dumps(record))
 
 
-def _wait_gate(task: Task, gate: str | None) -> bool:
-    if gate is None:
-        return True
-    client = _client(task)
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while not client.exists(gate):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-class _Unlocked:
-    """Stands in for the lease of a run that holds no lock (until_executing)."""
-
-    fence = 0
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 def _run_recorded(task: Task, x: Any, gate: str | None, seconds: float = 0.0) -> Any:
     _announce(task)
-    lease = current_lock() or _Unlocked(f"unlocked:{task.name}:{x}")
+    lease = current_lock() or UnlockedLease(f"unlocked:{task.name}:{x}")
     with record_execution(
         _client(task),
         task.app.conf.redlock_key_prefix,
@@ -123,7 +102,7 @@ def _run_recorded(task: Task, x: Any, gate: str | None, seconds: float = 0.0) ->
         hostname=task.request.hostname,
     ) as recorder:
         time.sleep(seconds)
-        recorder.extra["gate_timeout"] = not _wait_gate(task, gate)
+        recorder.extra["gate_timeout"] = not wait_for_gate(_client(task), gate, GATE_TIMEOUT)
     return x
 
 

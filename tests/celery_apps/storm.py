@@ -45,7 +45,7 @@ from celery import Celery, Task, bootsteps
 
 from celery_redlock import SingletonTask, current_lock, install
 from tests.celery_apps import modes
-from tests.celery_harness import HistoryRecorder, record_execution
+from tests.celery_harness import HistoryRecorder, UnlockedLease, record_execution, wait_for_gate
 
 __all__ = ["GATE_TIMEOUT", "create_app", "environment"]
 
@@ -180,15 +180,8 @@ def _recording(task: Task) -> Iterator[HistoryRecorder]:
 
 def _sleep_then_wait(task: Task, recorder: HistoryRecorder, seconds: float, gate: str | None):
     time.sleep(seconds)
-    if gate is None:
-        return
-    client = _history_client(task)
-    deadline = time.monotonic() + GATE_TIMEOUT
-    while not client.exists(gate):
-        if time.monotonic() >= deadline:
-            recorder.extra["gate_timeout"] = True
-            return
-        time.sleep(0.01)
+    if not wait_for_gate(_history_client(task), gate, GATE_TIMEOUT):
+        recorder.extra["gate_timeout"] = True
 
 
 def _register_tasks(app: Celery) -> None:
@@ -265,22 +258,13 @@ def _announce_start(task: Task) -> None:
     _history_client(task).rpush(started_key(task.app.conf.redlock_key_prefix), json.dumps(record))
 
 
-class _Unlocked:
-    """Stands in for the lease of a plain task that ran without a lock."""
-
-    fence = 0
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 def _register_plain_tasks(app: Celery) -> None:
     """Plain tasks, locked only when consumed from a locked queue (test_queues)."""
 
     @app.task(bind=True, shared=False, name="storm.plain")
     def plain(self: Task, x: Any, seconds: float, gate: str | None = None) -> Any:
         """Record the execution (lock or not); sleep, then wait for ``gate`` if given."""
-        lease = current_lock() or _Unlocked(f"unlocked:{x}")
+        lease = current_lock() or UnlockedLease(f"unlocked:{x}")
         with record_execution(
             _history_client(self),
             self.app.conf.redlock_key_prefix,
