@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 from celery.states import READY_STATES
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from . import signals
 from .conf import LockOptions, resolve
@@ -224,6 +224,7 @@ class TaskGuard:
         holder_ttl: float | None,
         own: bool = False,
         recheck: bool = True,
+        unreachable: RedisError | None = None,
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
 
@@ -236,7 +237,9 @@ class TaskGuard:
                 redelivery meeting its own lock (``own``) never runs out: its
                 first delivery either finishes or dies, and the lock expires.
                 With ``recheck`` such a copy is marked to drop itself if the
-                holder turns out to have finished the task.
+                holder turns out to have finished the task. ``unreachable`` is
+                the error of a lock store that could not be reached, when that
+                (not a holder) is why the call is requeued.
         """
         task, request = self.task, self.task.request
         attempt = int(header_of(request, REQUEUES_HEADER) or 0) + 1
@@ -249,13 +252,18 @@ class TaskGuard:
                 holder_ttl=holder_ttl,
             )
         if attempt > self.options.max_requeues and not own:
+            why = (
+                f"the lock store kept failing for {key} ({unreachable!r})"
+                if unreachable is not None
+                else f"lock {key} stayed held by {holder_id or 'another holder'}"
+            )
             raise LockNotAcquired(
                 f"task {task.name}[{request.id}] gave up after "
-                f"{self.options.max_requeues} requeues: lock {key} stayed held by {holder_id}",
+                f"{self.options.max_requeues} requeues: {why}",
                 lock_name=key,
                 holder=holder_id,
                 holder_ttl=holder_ttl,
-            )
+            ) from unreachable
         delay = requeue_delay(self.options, attempt, random.random())
         if own and holder_ttl is not None:
             # A dead first delivery frees the lock when its TTL runs out.
@@ -320,10 +328,14 @@ class TaskGuard:
     def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
         task, request = self.task, self.task.request
         policy = self.options.on_redis_error
+        # A server that answered with an error (ACL, wrong type, out of memory)
+        # was reached: say so, it needs a different fix than an outage.
+        failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
         logger.warning(
-            "task %s[%s]: lock store unreachable for %s (%r); %s",
+            "task %s[%s]: lock store %s for %s (%r); %s",
             task.name,
             request.id,
+            failure,
             key,
             exc,
             "running WITHOUT the lock" if policy == "run" else policy,
@@ -331,8 +343,8 @@ class TaskGuard:
         if policy == "run":
             return body()
         if policy == "requeue":
-            self._requeue(key, None, None)
-        raise LockError(f"lock store unreachable for {key}: {exc!r}", lock_name=key) from exc
+            self._requeue(key, None, None, unreachable=exc)
+        raise LockError(f"lock store {failure} for {key}: {exc!r}", lock_name=key) from exc
 
 
 def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:

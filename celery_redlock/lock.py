@@ -57,8 +57,11 @@ def fence_key_for(name: str | bytes) -> str | bytes:
     if isinstance(name, bytes):
         # latin-1 maps every byte to one character and back, braces included.
         return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
+    # Redis Cluster hashes only the tag when the first "{" is followed by a
+    # "}" with something in between; "{}" anywhere first means the whole key.
     start = name.find("{")
-    if start != -1 and name.find("}", start + 2) != -1:
+    end = name.find("}", start + 1) if start != -1 else -1
+    if end > start + 1:
         return f"{name}:fence"
     if "}" in name:
         # "{name}" would end its tag early; no key can share this name's slot
@@ -319,9 +322,11 @@ class Lease:
         self.lost = True
         self.loss_reason = reason
         logger.error("%s lost: %s", self.describe(), reason)
-        if self.on_lost is not None:
+        # Read once: a release on another thread may clear it meanwhile.
+        on_lost = self.on_lost
+        if on_lost is not None:
             try:
-                self.on_lost(self)
+                on_lost(self)
             except Exception:
                 logger.exception("on_lost callback of %s failed", self.describe())
 

@@ -264,7 +264,7 @@ class _JobRunner:
             return self.func(*args, **kwargs)
         if policy == "requeue" and job is not None:
             logger.warning("%s: lock store unreachable (%r); requeue", self.name, exc)
-            return self._requeue(job, key, None, None)
+            return self._requeue(job, key, None, None, unreachable=exc)
         raise exc
 
     def _conflict(
@@ -302,18 +302,24 @@ class _JobRunner:
         holder_id: str | None,
         holder_ttl: float | None,
         own: bool = False,
+        unreachable: RedisError | None = None,
     ) -> Retry:
         attempt = int(job.meta.get(REQUEUES_META, 0)) + 1
         # A job meeting its own lock (a rerun of a job whose first run still
         # holds it, alive or dead) always waits: its lock ends within the TTL.
         if attempt > self.options.max_requeues and not own:
+            why = (
+                f"the lock store kept failing for {key} ({unreachable!r})"
+                if unreachable is not None
+                else f"lock {key} stayed held by {holder_id or 'another holder'}"
+            )
             raise LockNotAcquired(
                 f"job {self.name}[{job.id}] gave up after {self.options.max_requeues} "
-                f"requeues: lock {key} stayed held by {holder_id or 'another holder'}",
+                f"requeues: {why}",
                 lock_name=key,
                 holder=holder_id,
                 holder_ttl=holder_ttl,
-            )
+            ) from unreachable
         delay = requeue_delay(self.options, attempt, random.random())
         if own and holder_ttl is not None:
             delay = min(delay, holder_ttl + 0.1)

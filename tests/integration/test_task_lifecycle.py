@@ -403,6 +403,54 @@ def test_redis_unreachable_at_acquire_follows_on_redis_error(make_app, lock_stor
             assert runs == [True]
 
 
+def test_requeues_run_out_on_a_store_that_stays_down_naming_the_outage(make_app, lock_store):
+    """When requeues for an unreachable store run out, the failure says so, not "held by None"."""
+    app = make_app(
+        redlock_url=lock_store.url + "?socket_connect_timeout=0.2&socket_timeout=0.2",
+        redlock_requeue_delay=0.05,
+        redlock_requeue_max_delay=0.1,
+        redlock_max_requeues=2,
+    )
+
+    @app.task(base=SingletonTask, name="t.store_stays_down", max_retries=0)
+    def guarded():
+        return "ran"
+
+    lock_store.pause()
+    try:
+        with worker(app), pytest.raises(LockNotAcquired) as failed:
+            guarded.delay().get(timeout=15)
+    finally:
+        lock_store.resume()
+    message = str(failed.value)
+    assert "gave up after 2 requeues" in message
+    assert "kept failing" in message and "Timeout" in message
+    assert "held by" not in message
+
+
+def test_a_store_refusing_the_lock_command_is_not_called_unreachable(make_app, lock_store, caplog):
+    """A server error (here an ACL without EVAL) is reported as a refusal, not as an outage."""
+    app = make_app(redlock_url=lock_store.url, redlock_on_redis_error="raise")
+
+    @app.task(base=SingletonTask, name="t.store_refuses")
+    def guarded():
+        return "ran"
+
+    client = lock_store.client()
+    client.execute_command("ACL", "SETUSER", "default", "-eval", "-evalsha")
+    try:
+        with (
+            worker(app),
+            caplog.at_level("WARNING", logger="celery_redlock.guard"),
+            pytest.raises(LockError, match="refused the lock command") as failed,
+        ):
+            guarded.delay().get(timeout=10)
+    finally:
+        client.execute_command("ACL", "SETUSER", "default", "+eval", "+evalsha")
+    assert "unreachable" not in str(failed.value)
+    assert any("refused the lock command" in r.getMessage() for r in caplog.records)
+
+
 def test_a_redelivery_meeting_its_own_lock_waits_beyond_max_requeues(make_app):
     """Requeues of a copy whose own first delivery runs are not capped: no false FAILURE."""
     app = make_app(redlock_requeue_delay=0.02, redlock_requeue_max_delay=0.05)

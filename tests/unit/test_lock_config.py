@@ -75,10 +75,22 @@ def test_fence_key_shares_the_lock_keys_cluster_slot(name):
     """The acquire script touches both keys, so they must live in one Cluster slot."""
     fence_key = fence_key_for(name)
     assert fence_key != name
-    start = name.find("{")
-    has_tag = start != -1 and name.find("}", start + 2) != -1
-    if has_tag or "}" not in name:
+    if _has_hash_tag(name) or "}" not in name:
         assert key_slot(fence_key.encode()) == key_slot(name.encode())
+
+
+def _has_hash_tag(name: str) -> bool:
+    # Redis Cluster's rule: the first "{", then the first "}" after it, with
+    # at least one character between them.
+    start = name.find("{")
+    return start != -1 and name.find("}", start + 1) > start + 1
+
+
+@pytest.mark.parametrize("name", ["jobs:{}x}", "{}a}b", "a{}{b}"])
+def test_fence_key_of_a_name_starting_with_an_empty_tag_is_a_plain_suffix(name):
+    """An empty first tag makes Redis hash the whole key: no tag can share its slot."""
+    assert not _has_hash_tag(name)
+    assert fence_key_for(name) == f"{name}:fence"
 
 
 def test_lease_validity_deducts_elapsed_time_and_drift():

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 from rq import Queue
-from rq.job import JobStatus
+from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 
-from celery_redlock import ConfigurationError
+from celery_redlock import ConfigurationError, LockNotAcquired
 from celery_redlock.rq import enqueue_once, singleton_job
 from tests.rq_apps import jobs
 from tests.rq_harness import rq_workers, wait_until
@@ -103,3 +104,31 @@ def test_bad_options_are_named():
     with pytest.raises(ConfigurationError) as info:
         singleton_job(print, max_requeues=-1)
     assert info.value.setting == "max_requeues"
+
+
+def job_with_its_own_lock_store():
+    """Decorated by the test below, with a lock client known only at run time."""
+    return "ran"
+
+
+def test_requeues_run_out_on_a_lock_store_that_stays_down_naming_the_outage(
+    redis_server, redis_servers, monkeypatch
+):
+    """A job whose lock store stays down fails naming the outage, not "held by another holder"."""
+    (down,) = redis_servers(1)
+    lock_client = down.client(socket_timeout=0.2, socket_connect_timeout=0.2)
+    guarded = singleton_job(
+        job_with_its_own_lock_store, client=lock_client, on_redis_error="requeue", max_requeues=0
+    )
+    # RQ finds the function by its name: make that name the decorated one.
+    monkeypatch.setattr(sys.modules[__name__], "job_with_its_own_lock_store", guarded)
+    job = Job.create(guarded, connection=redis_server.client())
+    down.pause()
+    try:
+        with pytest.raises(LockNotAcquired) as failed:
+            job.perform()
+    finally:
+        down.resume()
+    message = str(failed.value)
+    assert "gave up after 0 requeues" in message and "kept failing" in message
+    assert "held by" not in message
