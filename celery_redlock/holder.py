@@ -16,11 +16,17 @@ writes the newer one::
 ``host`` the machine's host name, ``acquired_ms`` the holder's wall clock at
 acquisition in Unix milliseconds, ``ttl_ms`` the lock's TTL (0: none) and
 ``queue`` the queue the task came from (empty when unknown).
+
+Within a field ``%`` is written ``%25`` and ``|`` is written ``%7C``, so a task
+id, node or queue holding either reads back unchanged, and a value whose
+fields hold neither is exactly the plain join. Versions before this escape
+wrote ``_`` for ``|``; their values still parse, with the ``_`` kept.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import socket
 import time
@@ -34,10 +40,20 @@ _FORMAT = "v2"
 _OLD_FORMAT = "v1"
 _SEPARATOR = "|"
 _HOST = socket.gethostname()
+_ESCAPED = re.compile("%25|%7C")
 
 
-def _clean(field: str) -> str:
-    return field.replace(_SEPARATOR, "_")
+def _escape(field: str) -> str:
+    # "%" first, so the "%" that escapes the separator is not escaped again.
+    return field.replace("%", "%25").replace(_SEPARATOR, "%7C")
+
+
+def _unescape(field: str) -> str:
+    # One pass, reading only the two sequences _escape writes: "%257C" is a
+    # literal "%7C", and any other "%" (say "%20", in a value written before
+    # the escape existed) stays as written. Only an old value that spelt "%25"
+    # or "%7C" literally reads differently than it was meant.
+    return _ESCAPED.sub(lambda match: "%" if match.group() == "%25" else _SEPARATOR, field)
 
 
 def queue_of(delivery_info: Mapping[str, Any] | None) -> str | None:
@@ -119,12 +135,12 @@ class Holder:
             self.host or "",
             self.queue or "",
         )
-        return _SEPARATOR.join(_clean(field) for field in fields)
+        return _SEPARATOR.join(_escape(field) for field in fields)
 
     @staticmethod
     def fragment(task_id: str, hostname: str) -> str:
         """Return the part of every value written for ``task_id`` on worker ``hostname``."""
-        return f"{_SEPARATOR}{_clean(task_id)}{_SEPARATOR}{_clean(hostname)}{_SEPARATOR}"
+        return f"{_SEPARATOR}{_escape(task_id)}{_SEPARATOR}{_escape(hostname)}{_SEPARATOR}"
 
     @classmethod
     def parse(cls, value: str | bytes | None) -> Holder | None:
@@ -133,7 +149,7 @@ class Holder:
             value = value.decode("utf-8", "replace")
         if not value:
             return None
-        fields = value.split(_SEPARATOR)
+        fields = [_unescape(field) for field in value.split(_SEPARATOR)]
         if len(fields) == 5 and fields[0] == _OLD_FORMAT and fields[4].isdigit():
             _, token, task_id, hostname, pid = fields
             return cls(task_id=task_id, hostname=hostname, pid=int(pid), token=token)

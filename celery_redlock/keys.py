@@ -91,6 +91,13 @@ def _dumps(canonical: Any) -> str:
 class KeyBuilder:
     """Computes the lock keys of one task.
 
+    A name in ``spec`` is looked up among the task's parameters first (passed
+    by position or keyword, defaults applied), then among the keyword
+    arguments its ``**kwargs`` parameter collected. Such a name has no
+    default: a call that does not pass it keys it as ``None``, the same as
+    passing ``None``. A task with no readable signature counts as taking
+    ``(*args, **kwargs)``.
+
     Args:
         task_name: The registered task name.
         run: The task's body, whose signature arguments are bound to.
@@ -109,11 +116,18 @@ class KeyBuilder:
             self.signature: inspect.Signature | None = inspect.signature(run)
         except (TypeError, ValueError):  # builtins and some C callables
             self.signature = None
+        # Where keyword arguments the signature does not name end up after
+        # binding: its ``**`` parameter, or "kwargs" of the signature-less form
+        # that ``_bind`` makes.
+        self._extra_keywords: str | None = "kwargs"
+        if self.signature is not None:
+            self._extra_keywords = next(
+                (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+                None,
+            )
         if spec is not None and not callable(spec):
             names = [spec] if isinstance(spec, str) else list(spec)
-            if self.signature is not None and not any(
-                p.kind is p.VAR_KEYWORD for p in self.signature.parameters.values()
-            ):
+            if self.signature is not None and self._extra_keywords is None:
                 unknown = [n for n in names if n not in self.signature.parameters]
                 if unknown:
                     raise ConfigurationError(
@@ -146,7 +160,7 @@ class KeyBuilder:
             return value
         arguments = self._bind(args, kwargs)
         if spec is not None:
-            arguments = {name: arguments.get(name) for name in spec}
+            arguments = {name: self._argument(arguments, name) for name in spec}
         parts = {}
         for name, value in arguments.items():
             try:
@@ -159,6 +173,15 @@ class KeyBuilder:
                     "lock_key=[...] or give a callable",
                 ) from None
         return _dumps(parts)
+
+    def _argument(self, arguments: Mapping[str, Any], name: str) -> Any:
+        # A parameter of the signature wins (binding gave it its value or its
+        # default); any other name can only have come through ``**kwargs``,
+        # where a name not passed has no default and reads as None.
+        if name in arguments:
+            return arguments[name]
+        extra = arguments.get(self._extra_keywords, {}) if self._extra_keywords else {}
+        return extra.get(name)
 
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:

@@ -155,6 +155,18 @@ def test_explicit_same_task_id_is_reentrant(app: Celery, r: redis.Redis) -> None
     assert info.value.task_id == first.id
 
 
+def test_a_custom_task_id_with_the_separator_is_the_duplicate_callers_get(
+    app: Celery, r: redis.Redis
+) -> None:
+    """A "|" in a task id survives its reservation: republishing is reentrant, duplicates get it."""
+    task = singleton(app, "until_executed")
+    task.apply_async((1,), task_id="order|42")
+    value = r.get(task.lock_key_for(1))
+    assert task.apply_async((1,), task_id="order|42").id == "order|42"
+    assert r.get(task.lock_key_for(1)) == value
+    assert task.delay(1).id == "order|42"
+
+
 def test_eager_calls_run_under_the_lock_and_leave_nothing(app: Celery, r: redis.Redis) -> None:
     """task_always_eager: no reservation, the execution side still locks, nothing remains."""
     app.conf.task_always_eager = True

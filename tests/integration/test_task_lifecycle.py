@@ -480,6 +480,39 @@ def test_a_redelivery_meeting_its_own_lock_waits_beyond_max_requeues(make_app):
     assert first.state == "SUCCESS"
 
 
+def test_a_redelivery_whose_custom_id_holds_the_separator_knows_its_own_lock(
+    make_app, redis_server
+):
+    """A task id holding "|" and "%" reads back intact: its redelivery waits, never skips."""
+    app = make_app(redlock_requeue_delay=0.02, redlock_requeue_max_delay=0.05)
+    started, finish = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.own_custom_id")
+    def own(self):
+        runs.append(self.request.id)
+        started.set()
+        finish.wait(10)
+        return "first"
+
+    task_id = "order|42%7C|eu"
+    signals = (redlock_signals.lock_contended, redlock_signals.lock_released)
+    with worker(app), received(*signals) as events:
+        first = own.apply_async(task_id=task_id)
+        assert started.wait(10)
+        own.apply_async(task_id=task_id)  # the broker delivering the same message again
+        # Under the default lock_on_conflict="skip", only recognising its own lock
+        # makes the copy requeue itself instead of being skipped.
+        wait_for(events, 1, timeout=5, sent_by="lock_contended", task_id=task_id)
+        contended = next(e for e in events if e["sent_by"] == "lock_contended")
+        assert (contended["action"], contended["holder"]) == ("requeue", task_id)
+        finish.set()
+        assert first.get(timeout=10) == "first"
+        wait_for(events, 2, sent_by="lock_released", task_id=task_id)
+    assert runs == [task_id]
+    assert lock_keys(redis_server) == []
+
+
 def test_eager_call_that_cannot_lock_fails_instead_of_recursing(make_app, lock_store):
     """Eagerly, a requeue would re-run inside the call: it fails at once, never silently."""
     app = make_app(

@@ -70,3 +70,47 @@ def test_queue_of_reads_direct_routes_only():
     assert queue_of({"exchange": "", "routing_key": "q1"}) == "q1"
     assert queue_of({"exchange": "tasks", "routing_key": "q1"}) is None
     assert queue_of(None) is None
+
+
+def test_separator_and_percent_in_fields_read_back_unchanged():
+    """Task id, node, host and queue come back exactly, whatever "|" and "%" they hold."""
+    holder = Holder(
+        task_id="order|42%7C%",
+        hostname="w|1%25@node",
+        pid=7,
+        token="tok",
+        acquired_ms=1,
+        ttl_ms=2500,
+        host="host|a",
+        queue="q|1%",
+    )
+    value = holder.encode()
+    assert value.count("|") == 8
+    assert Holder.parse(value) == holder
+    assert Holder.parse(value.encode()) == holder
+
+
+def test_values_without_separator_or_percent_are_written_as_before():
+    """Escaping leaves ordinary values byte-identical, so locks already held keep matching."""
+    holder = Holder("task-1", "w1@node", 123, "tok", 1700000000000, 2500, "host-a", "q1")
+    assert holder.encode() == "v2|tok|task-1|w1@node|123|1700000000000|2500|host-a|q1"
+
+
+def test_fragment_matches_escaped_values_of_exactly_that_task_and_worker():
+    """The fragment is written as encode writes the fields, and escaping keeps ids apart."""
+    value = Holder.new("order|42", "w|1").encode()
+    assert Holder.fragment("order|42", "w|1") in value
+    assert Holder.fragment("order_42", "w_1") not in value
+    assert Holder.fragment("order|42", "w_1") not in value
+    assert Holder.fragment("order", "42|w|1") not in value
+    assert Holder.fragment("order|42", "w|1") not in Holder.new("order_42", "w_1").encode()
+    assert Holder.fragment("a%7Cb", "w") not in Holder.new("a|b", "w").encode()
+
+
+def test_values_written_before_the_escape_still_parse():
+    """Older versions wrote "_" for "|" and "%" as is: such values read as they were written."""
+    parsed = Holder.parse(b"v2|tok|order_42|w_1@node|123|1700000000000|0|host|q%20x")
+    assert parsed is not None
+    assert (parsed.task_id, parsed.hostname, parsed.queue) == ("order_42", "w_1@node", "q%20x")
+    old = Holder.parse("v1|tok|job%1|w1@node|123")
+    assert old == Holder(task_id="job%1", hostname="w1@node", pid=123, token="tok")

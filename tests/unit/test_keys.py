@@ -155,3 +155,70 @@ def test_var_args_and_var_kwargs_are_part_of_the_key():
     keys = builder(run=loose)
     assert keys.key_for((1,), {"a": 1}) != keys.key_for((1,), {"a": 2})
     assert keys.key_for((1,), {"a": 1, "b": 2}) == keys.key_for((1,), {"b": 2, "a": 1})
+
+
+def test_canonical_text_of_named_and_default_specs_is_pinned():
+    """The text hashed for ordinary calls stays as v1 defined it, so their keys never move."""
+    assert builder().identity((1, "d"), {}) == (
+        '{"account":1,"day":"d","fmt":"pdf","notify":false}'
+    )
+    assert builder(["account", "fmt"]).identity((1, "d"), {}) == '{"account":1,"fmt":"pdf"}'
+
+
+def by_kwargs(**kwargs):
+    return kwargs
+
+
+def test_names_that_arrive_through_var_kwargs_pick_the_key():
+    """lock_key=[name] finds a value that only **kwargs collects, so accounts stay apart."""
+    keys = builder(["account_id"], run=by_kwargs)
+    one = keys.key_for((), {"account_id": 1})
+    assert keys.key_for((), {"account_id": 2}) != one
+    assert keys.key_for((), {"account_id": 1, "verbose": True}) == one
+    assert keys.identity((), {"account_id": 1}) == '{"account_id":1}'
+
+
+def test_a_var_kwargs_name_not_passed_keys_as_none():
+    """A name **kwargs did not receive has no default: it keys as None, as passing None does."""
+    keys = builder(["account_id"], run=by_kwargs)
+    assert keys.identity((), {}) == '{"account_id":null}'
+    assert keys.key_for((), {}) == keys.key_for((), {"account_id": None})
+    assert keys.key_for((), {}) != keys.key_for((), {"account_id": 0})
+
+
+def test_parameters_come_before_var_kwargs_and_keep_their_spellings():
+    """A named parameter is found by position or keyword, and **kwargs cannot shadow it."""
+
+    def sync(account_id, /, region="eu", **kwargs):
+        return account_id, region, kwargs
+
+    keys = builder(["account_id", "region", "dry_run"], run=sync)
+    expected = keys.key_for((1,), {"dry_run": True})
+    assert keys.key_for((1, "eu"), {"dry_run": True}) == expected
+    assert keys.key_for((1,), {"region": "eu", "dry_run": True, "other": 3}) == expected
+    assert keys.key_for((1,), {"region": "us", "dry_run": True}) != expected
+    assert keys.key_for((1,), {"dry_run": False}) != expected
+    # The positional-only parameter is what the body sees as account_id.
+    assert keys.key_for((1,), {"account_id": 2, "dry_run": True}) == expected
+    # The ** parameter itself still names the whole dict, as before.
+    whole = builder(["kwargs"], run=by_kwargs)
+    assert whole.identity((), {"a": 1}) == '{"kwargs":{"a":1}}'
+
+
+class Unreadable:
+    """A callable whose signature inspect cannot read, like some C callables."""
+
+    __signature__ = "not a signature"
+
+    def __call__(self, *args, **kwargs):
+        return args, kwargs
+
+
+def test_names_are_found_in_the_keyword_arguments_of_a_task_without_signature():
+    """With no signature the task counts as (*args, **kwargs): names come from its kwargs."""
+    keys = builder(["account_id"], run=Unreadable())
+    assert keys.signature is None
+    assert keys.key_for((), {"account_id": 1}) != keys.key_for((), {"account_id": 2})
+    assert keys.key_for((9,), {"account_id": 1}) == keys.key_for((), {"account_id": 1})
+    assert keys.identity((), {}) == '{"account_id":null}'
+    assert builder(["args"], run=Unreadable()).identity((1, 2), {}) == '{"args":[1,2]}'
