@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -40,6 +41,10 @@ SKIPPED = "SKIPPED"
 REQUEUES_HEADER = "x_redlock_requeues"
 #: Message header set when a copy was requeued because it met its own task id.
 SELF_HEADER = "x_redlock_self"
+#: Seconds such a copy, once it holds the lock, waits for the earlier delivery's
+#: result to appear before running the task itself.
+RESULT_GRACE = 1.0
+RESULT_POLL = 0.02
 
 T = TypeVar("T")
 
@@ -318,12 +323,26 @@ class TaskGuard:
             logger.warning("task %s[%s]: could not record SKIPPED", task.name, request.id)
 
     def _already_done(self, task_id: str) -> bool:
+        """Whether an earlier delivery of ``task_id`` finished, by its stored state.
+
+        That delivery releases its lock just before Celery stores its result,
+        so a copy that took the lock in between would see no result yet and
+        run the task again: a state that is not ready is read again for up to
+        :data:`RESULT_GRACE` seconds. Only a delivery that died (no result,
+        ever) costs the copy that wait.
+        """
         if isinstance(self.task.backend, DisabledBackend):
             return False
-        try:
-            return self.task.AsyncResult(task_id).state in READY_STATES
-        except Exception:
-            return False
+        deadline = time.monotonic() + RESULT_GRACE
+        while True:
+            try:
+                if self.task.AsyncResult(task_id).state in READY_STATES:
+                    return True
+            except Exception:
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(RESULT_POLL)
 
     def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
         task, request = self.task, self.task.request

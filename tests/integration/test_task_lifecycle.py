@@ -480,6 +480,45 @@ def test_a_redelivery_meeting_its_own_lock_waits_beyond_max_requeues(make_app):
     assert first.state == "SUCCESS"
 
 
+def test_a_redelivery_taking_the_lock_before_the_result_is_stored_does_not_rerun(
+    make_app, monkeypatch
+):
+    """The first delivery releases, then stores its result: a copy in between must not run."""
+    app = make_app(redlock_requeue_delay=0.02, redlock_requeue_max_delay=0.05)
+    started, finish = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    @app.task(base=SingletonTask, bind=True, name="t.own_slow_result")
+    def own(self):
+        runs.append(self.request.id)
+        started.set()
+        finish.wait(10)
+        return "first"
+
+    # Widen the gap between the release and the stored result to 0.5 s, far
+    # more than the copy's requeue delay, so the copy certainly lands in it.
+    # (On the class: each worker thread has a backend instance of its own.)
+    backend_class = type(app.backend)
+    store_result = backend_class.store_result
+
+    def store_later(self, task_id, result, state, *args, **kwargs):
+        if state == "SUCCESS":
+            time.sleep(0.5)
+        return store_result(self, task_id, result, state, *args, **kwargs)
+
+    monkeypatch.setattr(backend_class, "store_result", store_later)
+    signals = (redlock_signals.lock_contended, redlock_signals.lock_released)
+    with worker(app), received(*signals) as events:
+        first = own.delay()
+        assert started.wait(10)
+        own.apply_async(task_id=first.id)  # the broker delivering the same message again
+        wait_for(events, 1, sent_by="lock_contended", task_id=first.id, action="requeue")
+        finish.set()
+        assert first.get(timeout=10) == "first"
+        wait_for(events, 2, sent_by="lock_released", task_id=first.id)
+    assert runs == [first.id]
+
+
 def test_a_redelivery_whose_custom_id_holds_the_separator_knows_its_own_lock(
     make_app, redis_server
 ):
