@@ -8,6 +8,7 @@ value and names the setting that supplied a bad one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,9 +86,17 @@ class LockOptions:
 
 Validator = Callable[[str, Any], Any]
 
+#: Set on a task class (``SingletonTask``) or a wrapped ``run`` that takes its own lock.
+GUARDED_ATTRIBUTE = "__redlock_guarded__"
+
 
 def _seconds(setting: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ConfigurationError(setting, value, "must be a positive number of seconds")
     if value < 0.001:
         raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
@@ -176,6 +185,7 @@ def resolve(
     """
     defaults = LockOptions()
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     unset: set[str] = set()
     queue_options = queue_options or {}
     for name, (validate, app_wide) in OPTIONS.items():
@@ -188,18 +198,36 @@ def resolve(
             value = conf.get(f"redlock_{name}")
             source = f"redlock_{name}"
         values[name] = getattr(defaults, name) if value is None else validate(source, value)
+        sources[name] = source
         if value is None:
             unset.add(name)
+    if values["mode"] != MODES[0] and not getattr(task, GUARDED_ATTRIBUTE, False):
+        # A plain task locked by its queue never passes through
+        # SingletonTask.apply_async, so it cannot take an enqueue lock: an
+        # app-wide mode is for SingletonTask; the task's own attribute is an error.
+        if sources["mode"] == f"{task.name}.lock_mode":
+            raise ConfigurationError(
+                sources["mode"],
+                values["mode"],
+                "needs base=SingletonTask: a plain task can only lock while_executing",
+            )
+        values["mode"] = MODES[0]
     if "on_conflict" in unset and values["mode"] == "until_and_while_executing":
         # The one waiting copy usually reaches a free worker while the last
         # one runs; skipping it would drop the call every duplicate folded into.
         values["on_conflict"] = "requeue"
     options = LockOptions(**values)
     if options.requeue_max_delay < options.requeue_delay:
+        # Name whichever of the two was given most specifically: that is the one to fix.
+        at_fault = "requeue_delay" if "requeue_max_delay" in unset else "requeue_max_delay"
+        other = "requeue_max_delay" if at_fault == "requeue_delay" else "requeue_delay"
         raise ConfigurationError(
-            "redlock_requeue_max_delay",
-            options.requeue_max_delay,
-            f"is below requeue_delay={options.requeue_delay}",
+            sources[at_fault],
+            getattr(options, at_fault),
+            f"must not exceed requeue_max_delay ({options.requeue_max_delay}, from "
+            f"{sources[other]})"
+            if at_fault == "requeue_delay"
+            else f"is below requeue_delay ({options.requeue_delay}, from {sources[other]})",
         )
     if queue is not None and queue_options.get("mode", MODES[0]) != MODES[0]:
         # Plain tasks never pass through SingletonTask.apply_async, so a queue
@@ -278,7 +306,13 @@ def validate_settings(conf: Mapping[str, Any]) -> None:
 
 
 class _QueueEntry:
-    """Stands in for a task when a queue's options are validated on their own."""
+    """Stands in for a task when a queue's options are validated on their own.
+
+    It counts as a ``SingletonTask``: the app-wide options it is checked with
+    (``redlock_mode`` above all) are the ones such tasks take.
+    """
+
+    __redlock_guarded__ = True
 
     def __init__(self, queue: str) -> None:
         self.name = f"<queue {queue}>"

@@ -12,7 +12,9 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
 
 from celery.backends.base import DisabledBackend
@@ -29,7 +31,7 @@ from .keys import KeyBuilder
 from .lock import Lease, Lock
 from .store import LockStore, store_for
 
-__all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for"]
+__all__ = ["SKIPPED", "TaskGuard", "called_inside", "current_lock", "guard_for", "guarding"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,33 @@ RESULT_GRACE = 1.0
 RESULT_POLL = 0.02
 
 T = TypeVar("T")
+
+# The id of the task whose call runs under a guard in this thread (or greenlet).
+_guarded_task_id: ContextVar[str | None] = ContextVar("celery_redlock_guarded_task", default=None)
+
+
+@contextmanager
+def guarding(request: Any) -> Iterator[None]:
+    """Mark the task of ``request`` as running under its lock in this context."""
+    token = _guarded_task_id.set(request.id)
+    try:
+        yield
+    finally:
+        _guarded_task_id.reset(token)
+
+
+def called_inside(request: Any) -> bool:
+    """Whether a call made now is a direct call inside the body of its own guarded run.
+
+    A task calling a task directly (``other(...)``, or itself) runs it as a
+    function within the same task: it must not take a lock of its own, and
+    above all not meet the lock of the run it is part of. Celery runs such a
+    call under a copy of the running request (same id), pushed on the stack,
+    so the id is what tells it apart; an eager ``apply()`` gets a new id and
+    is locked as usual.
+    """
+    task_id = request.id
+    return task_id is not None and _guarded_task_id.get() == task_id
 
 
 class TaskGuard:

@@ -18,9 +18,10 @@ from typing import Any
 from celery import signals
 from redis.exceptions import RedisError
 
+from .conf import GUARDED_ATTRIBUTE
 from .guard import guard_for
 from .holder import Holder
-from .queues import GUARDED_ATTRIBUTE, QueueLocks, registered
+from .queues import QueueLocks, registered
 
 __all__ = ["connect"]
 

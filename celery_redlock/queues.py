@@ -14,9 +14,9 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .conf import resolve
+from .conf import GUARDED_ATTRIBUTE, resolve
 from .exceptions import ConfigurationError
-from .guard import guard_for
+from .guard import called_inside, guard_for, guarding
 
 __all__ = [
     "QueueLocks",
@@ -26,9 +26,6 @@ __all__ = [
     "register",
     "registered",
 ]
-
-#: Marks task classes that take their lock themselves (SingletonTask).
-GUARDED_ATTRIBUTE = "__redlock_guarded__"
 
 
 class QueueLocks:
@@ -126,17 +123,21 @@ def lock_plain_tasks(app: Any) -> int:
 
 
 def check_guarded_tasks(app: Any, locks: QueueLocks) -> None:
-    """Resolve each self-locking task's options for each locked queue, at worker start.
+    """Resolve each task's options for each locked queue, at worker start.
 
-    A queue entry that cannot apply to such a task (see
-    :func:`celery_redlock.conf.resolve`) then stops the worker before a
-    message is taken, not at the first call from that queue.
+    Every task a locked queue could deliver is checked, ``SingletonTask`` s and
+    plain tasks alike: a queue entry that cannot apply to one of them, or a
+    task attribute that cannot apply to a plain task (see
+    :func:`celery_redlock.conf.resolve`), then stops the worker before a
+    message is taken, not at the first call from that queue. (A queue entry's
+    ``key`` is checked against a task's arguments at its first call from that
+    queue: which tasks a queue receives is the routing's business.)
 
     Raises:
-        ConfigurationError: Naming the queue entry's option at fault.
+        ConfigurationError: Naming the queue entry's option, or the task attribute, at fault.
     """
     for name, task in list(app.tasks.items()):
-        if name.startswith("celery.") or not getattr(task, GUARDED_ATTRIBUTE, False):
+        if name.startswith("celery."):
             continue
         for queue, options in locks.locked.items():
             resolve(task, app.conf, queue, options)
@@ -147,11 +148,13 @@ def _guarded(task: Any, body: Any) -> Any:
     # original signature.
     @functools.wraps(body)
     def run(*args: Any, **kwargs: Any) -> Any:
-        found = locked_queue(task)
+        request = task.request
+        found = None if called_inside(request) else locked_queue(task)
         if found is None:
             return body(*args, **kwargs)
         queue, options = found
-        return guard_for(task, queue, options).run(args, kwargs, lambda: body(*args, **kwargs))
+        with guarding(request):
+            return guard_for(task, queue, options).run(args, kwargs, lambda: body(*args, **kwargs))
 
     setattr(run, GUARDED_ATTRIBUTE, True)
     return run

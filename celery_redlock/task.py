@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from celery import Task
 
 from .conf import check_mode_store, lock_url, resolve, validate_settings
-from .guard import guard_for
+from .guard import called_inside, guard_for, guarding
 from .keys import KeyBuilder, KeySpec
 from .queues import locked_queue
 
@@ -83,13 +83,15 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task under its lock; a direct call (``task(...)``) runs it plainly."""
-        if self.request.called_directly:
+        request = self.request
+        if request.called_directly or called_inside(request):
             return super().__call__(*args, **kwargs)
         body: Callable[[], Any] = lambda: super(SingletonTask, self).__call__(*args, **kwargs)  # noqa: E731
         # From a locked queue, that queue's options apply (below the task's own).
         found = locked_queue(self)
         guard = guard_for(self) if found is None else guard_for(self, *found)
-        return guard.run(args, kwargs, body)
+        with guarding(request):
+            return guard.run(args, kwargs, body)
 
     def apply_async(
         self,

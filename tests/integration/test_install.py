@@ -83,6 +83,81 @@ def test_singleton_task_on_a_locked_queue_takes_one_lock_with_queue_options(app)
     assert len(acquired) == 3  # one lock per run, SingletonTask included
 
 
+def test_direct_calls_inside_a_locked_run_run_plainly(app):
+    """A task calling itself (or another task) directly is part of the run: no lock of its own."""
+    app.conf.redlock_queues = ["locked"]
+    install(app)
+    contended: list[str] = []
+
+    @app.task(base=SingletonTask, name="t.total", lock_key=["n"])
+    def total(n, part=None):
+        if part is not None:
+            return part
+        # Same key as the running call: before, this met the run's own lock.
+        return total(n, part=1) + total(n, part=2)
+
+    @app.task(name="t.plain_total")
+    def plain_total(n, part=None):
+        if part is not None:
+            return part
+        return plain_total(n, part=3) + plain_total(n, part=4)
+
+    def record(sender=None, action=None, **kwargs):
+        contended.append(action)
+
+    redlock_signals.lock_contended.connect(record, weak=False)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, queues=["plain", "locked"]):
+            assert total.delay(5).get(timeout=10) == 3
+            assert plain_total.apply_async((5,), queue="locked").get(timeout=10) == 7
+    finally:
+        redlock_signals.lock_contended.disconnect(record)
+    assert contended == []
+
+
+def test_an_app_wide_enqueue_mode_keeps_plain_tasks_of_a_locked_queue_locked(app, redis_server):
+    """redlock_mode applies to SingletonTask; a plain task in a locked queue still locks."""
+    app.conf.redlock_queues = ["locked"]
+    app.conf.redlock_mode = "until_executing"
+    install(app)
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(name="t.plain_slow")
+    def plain_slow(x):
+        started.set()
+        finish.wait(10)
+        return x
+
+    with start_worker(
+        app, pool="threads", concurrency=2, perform_ping_check=False, queues=["locked"]
+    ):
+        first = plain_slow.apply_async((1,), queue="locked")
+        assert started.wait(10)
+        second = plain_slow.apply_async((1,), queue="locked")
+        wait = threading.Event()
+        for _ in range(100):
+            if second.state == "SKIPPED":
+                break
+            wait.wait(0.05)
+        finish.set()
+        assert first.get(timeout=10) == 1
+    assert second.state == "SKIPPED"
+
+
+def test_a_plain_task_asking_for_an_enqueue_mode_stops_a_worker_locking_its_queue(app):
+    """lock_mode without base=SingletonTask cannot be honoured: the worker refuses to start."""
+    app.conf.redlock_queues = ["locked"]
+    install(app)
+
+    @app.task(name="t.plain_mode", lock_mode="until_executed")
+    def plain_mode():
+        return None
+
+    worker = start_worker(app, pool="solo", perform_ping_check=False, queues=["locked"])
+    with pytest.raises(ConfigurationError, match=r"t\.plain_mode\.lock_mode"), worker:
+        pass
+
+
 def test_bad_configuration_fails_a_programmatic_worker_with_the_error(app):
     """Outside the command line the bootstep raises ConfigurationError naming the setting."""
     app.conf.redlock_queues = {"plain": {"on_conflict": "drop"}}

@@ -42,7 +42,13 @@ def test_task_attribute_beats_app_setting_beats_default():
         ({"max_requeues": -1}, {}, "proj.task.lock_max_requeues"),
         ({"key": 5}, {}, "proj.task.lock_key"),
         ({}, {"redlock_key_prefix": "a{b}"}, "redlock_key_prefix"),
-        ({"requeue_delay": 10, "requeue_max_delay": 1}, {}, "redlock_requeue_max_delay"),
+        ({"requeue_delay": 10, "requeue_max_delay": 1}, {}, "proj.task.lock_requeue_max_delay"),
+        # The bound the task did set is the one named, not the default it crossed.
+        ({"requeue_delay": 120}, {}, "proj.task.lock_requeue_delay"),
+        ({}, {"redlock_requeue_max_delay": 0.5}, "redlock_requeue_max_delay"),
+        ({}, {"redlock_ttl": float("nan")}, "redlock_ttl"),
+        ({"enqueue_ttl": float("inf")}, {}, "proj.task.lock_enqueue_ttl"),
+        ({"requeue_delay": float("-inf")}, {}, "proj.task.lock_requeue_delay"),
     ],
 )
 def test_bad_values_name_their_source(attributes, conf, source):
@@ -109,3 +115,22 @@ def test_flag_settings_accept_only_bools():
     with pytest.raises(ConfigurationError, match="redlock_recover_stale"):
         flag({"redlock_recover_stale": "yes"}, "redlock_recover_stale", True)
     validate_settings({"redlock_recover_stale": True, "redlock_stats": False})
+
+
+class FakeSingletonTask(FakeTask):
+    __redlock_guarded__ = True
+
+
+def test_an_app_wide_enqueue_mode_leaves_plain_tasks_locking_while_executing():
+    """redlock_mode is for SingletonTask: a plain task locked by its queue cannot reserve."""
+    conf = {"redlock_mode": "until_executing"}
+    assert resolve(FakeTask, conf, "q", {}).mode == "while_executing"
+    assert resolve(FakeSingletonTask, conf, "q", {}).mode == "until_executing"
+
+
+def test_a_plain_task_asking_for_an_enqueue_mode_is_refused():
+    """lock_mode on a task without base=SingletonTask could never be honoured: an error."""
+    plain = task_with(mode="until_executed")
+    with pytest.raises(ConfigurationError, match="SingletonTask") as info:
+        resolve(plain, {}, "q", {})
+    assert info.value.setting == "proj.task.lock_mode"

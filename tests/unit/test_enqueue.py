@@ -12,7 +12,10 @@ from celery_redlock.enqueue import is_canvas, publish_delay, reservation_key
 
 
 class FakeTask:
+    """Stands for a SingletonTask: only those take enqueue modes."""
+
     name = "proj.task"
+    __redlock_guarded__ = True
 
 
 def task_with(**attributes):
