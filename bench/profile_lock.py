@@ -97,7 +97,10 @@ def client_side(number: int) -> list[tuple[str, float]]:
                 owner=fenced,
             ),
         ),
-        ("scripts.py Script.__call__", lambda: ACQUIRE(stub, ("p", "{p}:fence"), (TOKEN, 1, 1))),
+        (
+            "scripts.py Script.__call__",
+            lambda: ACQUIRE(stub, ("p", "{p}:fence"), (TOKEN, 1, 1, "0")),
+        ),
         ("secrets.token_hex(16).encode()", lambda: secrets.token_hex(16).encode()),
         ("floor: secrets.token_hex(16)", lambda: secrets.token_hex(16)),
         ("floor: redis-py Redis.set(nx, px)", lambda: rstub.set("k", "t", nx=True, px=TTL_MS)),
@@ -117,16 +120,16 @@ def server_side(port: int, calls: int) -> list[tuple[str, float]]:
     client = redis.Redis(host="127.0.0.1", port=port)
     admin = redis.Redis(host="127.0.0.1", port=port)
     sha = client.script_load(RAW_RELEASE_LUA)
-    ACQUIRE(client, ("s", "{s}:fence"), (TOKEN, TTL_MS, 3_600_000))  # caches the scripts
-    RELEASE(client, ("s",), (TOKEN,))
+    ACQUIRE(client, ("s", "{s}:fence"), (TOKEN, TTL_MS, 3_600_000, "0"))  # caches the scripts
+    RELEASE(client, ("s",), (TOKEN, "0"))
 
     def fenced_acquire() -> None:
-        ACQUIRE(client, ("s", "{s}:fence"), (TOKEN, TTL_MS, 3_600_000))
+        ACQUIRE(client, ("s", "{s}:fence"), (TOKEN, TTL_MS, 3_600_000, "0"))
         client.delete("s")
 
     def release() -> None:
         client.set("s", TOKEN)
-        RELEASE(client, ("s",), (TOKEN,))
+        RELEASE(client, ("s",), (TOKEN, "0"))
 
     def plain_set() -> None:
         client.set("s", TOKEN, nx=True, px=TTL_MS)

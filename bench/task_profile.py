@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def two_scripts() -> None:
             key = f"profile:{next(counter)}"
-            ACQUIRE(client, (key, key + ":fence"), (b"token", 10000, 3600000))
-            RELEASE(client, (key,), (b"token",))
+            ACQUIRE(client, (key, key + ":fence"), (b"token", 10000, 3600000, "0"))
+            RELEASE(client, (key,), (b"token", "0"))
 
         real_watch = Watchdog.watch
         real_script = Script.__call__

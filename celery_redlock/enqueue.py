@@ -291,7 +291,7 @@ def _publish_retry(
 def _undo(guard: TaskGuard, rkey: str, value: str, label: str) -> None:
     """Take back a reservation nothing was published for (compare-and-delete, best effort)."""
     try:
-        if RELEASE(guard.store.client, (rkey,), (value,)):
+        if RELEASE(guard.store.client, (rkey,), (value, "0")):
             logger.info("%s: publish failed; released its reservation %s", label, rkey)
     except RedisError as exc:
         logger.warning(
@@ -460,7 +460,7 @@ class EnqueueGuard(TaskGuard):
             # its message made must not keep duplicates out.
             if isinstance(lock, HandoverLock) and lock.reservation_key != key and lock.reservation:
                 try:
-                    RELEASE(self.client, (lock.reservation_key,), (lock.reservation,))
+                    RELEASE(self.client, (lock.reservation_key,), (lock.reservation, "0"))
                 except RedisError as exc:
                     logger.warning("could not drop reservation %s: %r", lock.reservation_key, exc)
 
@@ -546,7 +546,7 @@ class EnqueueGuard(TaskGuard):
         if not value:
             return
         try:
-            if RELEASE(self.client, (rkey,), (value,)):
+            if RELEASE(self.client, (rkey,), (value, "0")):
                 logger.info(
                     "task %s[%s]: took back its reservation %s",
                     self.task.name,
@@ -594,7 +594,7 @@ def release_revoked(task: Any, guard: TaskGuard, request: Any) -> bool:
         return False
     key = guard.keys.key_for(request.args or (), request.kwargs or {})
     rkey = reservation_key(guard.options.mode, key)
-    released = bool(RELEASE(guard.store.client, (rkey,), (value,)))
+    released = bool(RELEASE(guard.store.client, (rkey,), (value, "0")))
     if released:
         logger.info(
             "task %s[%s] was revoked before it ran; released its enqueue lock %s",

@@ -161,7 +161,8 @@ class Round:
         timeout: float | None = None,
     ) -> None:
         self.nodes = nodes
-        self.requests = requests
+        # A copy: a request sent again after a lost reply may differ from the first.
+        self.requests = list(requests)
         self.outcomes: list[Any] = [NOT_ASKED if r is None else PENDING for r in requests]
         self.expired = False
         if timeout is None:
@@ -202,7 +203,8 @@ class Round:
             fd = send(conn, packed)
         except RedisError as exc:  # the connection closed itself
             self.nodes[i].scripts.clear()
-            if not self._retry(i, reused, exc):
+            # Not all of it was sent, so it did not run: send it as it is.
+            if not self._retry(i, reused, exc, self.requests[i]):
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
@@ -212,12 +214,16 @@ class Round:
         self._reading[fd] = (i, conn, skip, reused)
         self._poll.register(fd, select.POLLIN)
 
-    def _retry(self, i: int, reused: bool, exc: RedisError) -> bool:
+    def _retry(self, i: int, reused: bool, exc: RedisError, again: Request | None) -> bool:
         # A connection that sat idle may have been closed by the server (restart,
-        # idle timeout): try once more on a new one, as redis-py's pool would.
+        # idle timeout): try once more on a new one, as redis-py's pool would,
+        # sending ``again`` (None: the request must not be sent twice).
         if not reused or not isinstance(exc, redis.ConnectionError) or i in self._retried:
             return False
+        if again is None:
+            return False
         self._retried.add(i)
+        self.requests[i] = again
         self._start(i)
         return True
 
@@ -291,7 +297,8 @@ class Round:
             # Maybe a restart, which empties the script cache too.
             node.scripts.clear()
             conn.disconnect()
-            if self._retry(i, reused, exc):
+            # It may have run, with only its reply lost: resend it as its script says.
+            if self._retry(i, reused, exc, request.resent()):
                 return False
             self.outcomes[i] = exc
             return settle(i, exc)

@@ -521,7 +521,7 @@ class Lock(LockSettings):
             reply = ACQUIRE(
                 self.redis,
                 (self.name, self.fence_key),
-                (token, self._ttl_ms, self._fence_retention_ms),
+                (token, self._ttl_ms, self._fence_retention_ms, "0"),
             )
             if isinstance(reply, list):
                 holder_ttl_ms, holder = reply
@@ -596,7 +596,7 @@ class Lock(LockSettings):
 
     def do_release(self, expected_token: bytes) -> None:
         """Run the compare-and-delete script."""
-        if not RELEASE(self.redis, (self.name,), (expected_token,)):
+        if not RELEASE(self.redis, (self.name,), (expected_token, "0")):
             lease = self.local.lease
             if lease is not None:
                 lease.lost = True

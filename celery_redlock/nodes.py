@@ -147,7 +147,8 @@ class Template:
     Args:
         command: The command; whatever is at ``slot`` is replaced by each value.
         slot: Where the changing argument goes (not the command name).
-        script: The script an ``EVALSHA`` command runs, as for :class:`Request`.
+        script: The script the command runs (by ``EVALSHA`` or ``EVAL``), as
+            for :class:`Request`.
     """
 
     __slots__ = ("_parts", "command", "script", "slot")
@@ -201,6 +202,8 @@ class Request:
         template: Template | None = None,
     ) -> None:
         self.command = command
+        # The script the command runs, by EVALSHA (resent as EVAL on NOSCRIPT)
+        # or EVAL; its ``resend`` says how to send it again after a lost reply.
         self.script = script
         # The template this request was made from, whose packed parts it reuses.
         self.template = template
@@ -241,7 +244,26 @@ class Request:
         answers after the vote was decided), and an unread NOSCRIPT would drop
         it silently. The script is short, so EVAL costs next to nothing more.
         """
-        return cls(("EVAL", RELEASE.source, 1, name, token))
+        return cls(("EVAL", RELEASE.source, 1, name, token, "0"), RELEASE)
+
+    def resent(self) -> Request | None:
+        """The request to send again after a connection error, or ``None`` if it must not be.
+
+        The first send may have run and only its reply been lost, so a script
+        goes again as its ``resend`` says (see :class:`~celery_redlock.scripts.Script`);
+        any other command goes again as it is.
+        """
+        script = self.script
+        if script is None:
+            return self
+        first_arg = 3 + int(self.command[2])
+        args = self.command[first_arg:]
+        again = script.resend(args)
+        if again is None:
+            return None
+        if again is args:
+            return self
+        return Request((*self.command[:first_arg], *again), script)
 
     def with_source(self) -> tuple[Arg, ...]:
         """Return the command as EVAL.

@@ -78,7 +78,7 @@ def _find(
 
 def _delete(app: Any, info: LockInfo) -> bool:
     """Compare-and-delete ``info``'s value on every master; ``True`` if any held it."""
-    return sum(int(RELEASE(client, (info.key,), (info.value,))) for client in _clients(app)) > 0
+    return sum(int(RELEASE(client, (info.key,), (info.value, "0"))) for client in _clients(app)) > 0
 
 
 def _table(rows: Sequence[Sequence[str]]) -> None:

@@ -103,7 +103,7 @@ def recover_stale(
     for info in find_locks(client, prefixes):
         if not stale_for(info, node, host, alive):
             continue
-        if RELEASE(client, (info.key,), (info.value,)):
+        if RELEASE(client, (info.key,), (info.value, "0")):
             assert info.holder is not None
             logger.warning(
                 "celery-redlock: released stale lock %s of task %s[%s] (pid %d of an earlier "

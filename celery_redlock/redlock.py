@@ -184,7 +184,7 @@ class Redlock(Lock):
         self._masters = Masters(nodes, self.node_timeout)
         # Every acquire and release sends the same command but for the token.
         self._grant = self._grant_template()
-        self._release = Template(("EVAL", RELEASE.source, 1, self.name, b""), 4)
+        self._release = Template(("EVAL", RELEASE.source, 1, self.name, b"", "0"), 4, RELEASE)
 
     @property
     def quorum(self) -> int:
@@ -277,7 +277,7 @@ class Redlock(Lock):
         if self.fencing:
             return Template(
                 ("EVALSHA", ACQUIRE.sha, 2, self.name, self.fence_key, b"", self._ttl_ms,
-                 self._fence_retention_ms),
+                 self._fence_retention_ms, "0"),
                 5,
                 ACQUIRE,
             )  # fmt: skip

@@ -3,7 +3,9 @@
 Each script documents its KEYS, ARGV and return value. Scripts are sent with
 ``EVALSHA``; when the server does not know a script (after ``SCRIPT FLUSH`` or
 a restart) it is sent once with ``EVAL``, which both runs and caches it, so a
-flushed script costs one extra round trip, never a failed operation.
+flushed script costs one extra round trip, never a failed operation. After a
+connection error a script is sent once more in the way it declares safe in
+case the first send ran and only its reply was lost (see :class:`Script`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import hashlib
 import os
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
+from redis.connection import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -32,6 +35,14 @@ __all__ = [
 ]
 
 Arg = Union[str, bytes, int, float]
+#: How a script is sent again after a connection error: given the ARGV of the
+#: first send, the ARGV of the resend, or ``None`` when it must not be resent.
+Resend = Callable[[Sequence[Arg]], Optional[Sequence[Arg]]]
+
+
+def _resend_as_is(args: Sequence[Arg]) -> Sequence[Arg]:
+    """The resend of a script that does the same whether it ran once or twice."""
+    return args
 
 
 def _checkout(pool: Any) -> Any:
@@ -51,6 +62,13 @@ class _Reserved:
     per task. A prefork child runs one task at a time, so one connection it
     keeps serves nearly every call; a call that finds it busy (another thread,
     the watchdog) uses the pool as before.
+
+    A connection is only reserved from a pool that can spare one for good: one
+    whose ``max_connections`` is at least :data:`RESERVE_FROM_POOLS_OF` and
+    that is not a ``BlockingConnectionPool``. Any other pool is used per call: a
+    connection kept out of a small pool is one that the application's own
+    commands fail without (``MaxConnectionsError`` with ``max_connections=1``),
+    and a blocking pool would make them wait for it.
     """
 
     __slots__ = ("busy", "connection")
@@ -60,7 +78,20 @@ class _Reserved:
         self.connection: Any = None
 
 
+#: Smallest ``max_connections`` of a pool that a connection is reserved from:
+#: redis-py's default bound (100 in redis-py 8, ``2**31`` in older versions),
+#: so default clients keep the fast path and a pool sized by hand to a few
+#: connections keeps all of them for the application.
+RESERVE_FROM_POOLS_OF = 100
+
 _reserved: weakref.WeakKeyDictionary[Any, _Reserved] = weakref.WeakKeyDictionary()
+
+
+def _spares_a_connection(pool: Any) -> bool:
+    if isinstance(pool, BlockingConnectionPool):
+        return False
+    max_connections = getattr(pool, "max_connections", None)
+    return isinstance(max_connections, int) and max_connections >= RESERVE_FROM_POOLS_OF
 
 
 def _forget_reserved() -> None:
@@ -72,26 +103,62 @@ def _forget_reserved() -> None:
 os.register_at_fork(after_in_child=_forget_reserved)
 
 
+def _reconnect_if_closed(connection: Any) -> None:
+    try:
+        # Readable before anything was sent: the server closed the connection
+        # (end of file), or it owes a reply nobody read. Either way, start afresh.
+        if connection.can_read():
+            raise RedisConnectionError("connection not ready")
+    except (RedisConnectionError, OSError):
+        connection.disconnect()
+        connection.connect()
+
+
 class Script:
     """A Lua script identified by its SHA1, run with EVALSHA and an EVAL fallback.
 
     Unlike redis-py's ``Script`` it is not bound to a client and never issues
     ``SCRIPT EXISTS`` or ``SCRIPT LOAD``: the fast path is exactly one command.
+
+    A connection error is met in two ways that look alike: the server closed
+    an idle connection (the command never ran) or it ran the command and the
+    reply was lost. The first is common and calls for sending the command
+    again; the second makes a plain resend wrong for a script whose second run
+    answers differently (a release finds its key gone) or does more (a renewal
+    that adds time). So each script declares its ``resend``: given the ARGV of
+    the first send, the ARGV to send again with, correct whichever way the
+    first send went, or ``None`` when it must not be sent again (the
+    ``ConnectionError`` is then raised).
     """
 
-    __slots__ = ("name", "sha", "source")
+    __slots__ = ("name", "resend", "sha", "source")
 
-    def __init__(self, name: str, source: str) -> None:
+    def __init__(self, name: str, source: str, resend: Resend = _resend_as_is) -> None:
         self.name = name
         self.source = source
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+        self.resend = resend
+
+    @property
+    def resend_differs(self) -> bool:
+        """Whether a resend is anything but the first send again.
+
+        Such a script checks its connection before sending and reconnects if
+        the server closed it (a restart): a resend would then be made although
+        the first send surely did not run, and could be wrong (a release would
+        take a key lost with the dataset for one it deleted). redis-py's pool
+        makes this check on check-out, but not on a reserved connection, nor
+        with maintenance notifications enabled (redis-py 8's default).
+        """
+        return self.resend is not _resend_as_is
 
     def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run the script on ``client`` (a redis-py client) and return its reply.
 
         Raises:
             redis.exceptions.RedisError: Whatever the server or connection raises,
-                except ``NOSCRIPT``, which is handled here.
+                except ``NOSCRIPT``, which is handled here, and a connection
+                error that the script's ``resend`` recovers from.
         """
         pool = getattr(client, "connection_pool", None)
         # A single-connection client owns its connection (client.connection);
@@ -104,16 +171,17 @@ class Script:
         # The hot path of every task: talk to a pooled connection directly,
         # without redis-py's per-command bookkeeping (about a third of the
         # client's CPU per command).
-        reserved = _reserved.get(pool)
-        if reserved is None:
-            reserved = _reserved.setdefault(pool, _Reserved())
-        if reserved.busy.acquire(blocking=False):
-            try:
-                if reserved.connection is None:
-                    reserved.connection = _checkout(pool)
-                return self._exchange(reserved.connection, keys, args)
-            finally:
-                reserved.busy.release()
+        if _spares_a_connection(pool):
+            reserved = _reserved.get(pool)
+            if reserved is None:
+                reserved = _reserved.setdefault(pool, _Reserved())
+            if reserved.busy.acquire(blocking=False):
+                try:
+                    if reserved.connection is None:
+                        reserved.connection = _checkout(pool)
+                    return self._exchange(reserved.connection, keys, args)
+                finally:
+                    reserved.busy.release()
         connection = _checkout(pool)
         try:
             return self._exchange(connection, keys, args)
@@ -122,18 +190,25 @@ class Script:
 
     def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         try:
+            if self.resend_differs:
+                _reconnect_if_closed(connection)
             try:
                 return self._run(connection, keys, args)
             except RedisConnectionError:
                 # A connection the server closed (a restart, an idle timeout)
-                # fails on first use; like redis-py, try once more on a fresh
-                # one. Timeouts are not retried: the server may be hung.
+                # fails on first use, often only when the reply is read; like
+                # redis-py, try once more on a fresh one, in the way the script
+                # says is right if the first send did run. Timeouts are not
+                # retried: the server may be hung.
+                resent_args = self.resend(args)
+                if resent_args is None:
+                    raise
                 connection.disconnect()
                 # Explicitly: a Sentinel connection asks the Sentinels for the
                 # current master in connect() only; the lazy connect of the next
                 # send would return to the demoted one.
                 connection.connect()
-                return self._run(connection, keys, args)
+                return self._run(connection, keys, resent_args)
         except ResponseError:
             raise  # the server answered: the connection is in a clean state
         except BaseException:
@@ -168,6 +243,11 @@ class Script:
         return f"<Script {self.name} {self.sha[:8]}>"
 
 
+def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
+    # The first send may have taken the lock: let the resend find it ours.
+    return (*args[:3], "1")
+
+
 # Take the lock and draw a fence in one round trip.
 #
 # KEYS[1]  lock key
@@ -175,8 +255,10 @@ class Script:
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
 # ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
-# Returns  the fence (an integer > 0) when the lock was taken (or already held
-#          with ARGV[1], so a resent acquire is idempotent), otherwise the table
+# ARGV[4]  "0" on the first send; "1" when this same acquisition is sent again
+#          after its reply was lost (see Script), so it may find ARGV[1] held
+# Returns  the fence (an integer > 0) when the lock was taken (or, with ARGV[4]
+#          "1", already held with ARGV[1]), otherwise the table
 #          {holder's PTTL in ms (-1: no expiry), holder's value}.
 #
 # Fences count up from a seed: the server clock in microseconds, taken when the
@@ -197,11 +279,12 @@ else
 end
 if not taken then
   local holder = redis.call('GET', KEYS[1])
-  if holder ~= ARGV[1] then
+  if holder ~= ARGV[1] or ARGV[4] ~= '1' then
     return {redis.call('PTTL', KEYS[1]), holder}
   end
-  -- Our own token: this very acquisition ran before and its reply was lost
-  -- (the client sent it again). It is ours; restart its TTL and go on.
+  -- Our own token on a resend: this very acquisition ran before and its reply
+  -- was lost. It is ours; restart its TTL and go on. On a first send the same
+  -- token is another acquirer's (callers may choose tokens): refused.
   if ttl > 0 then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
@@ -214,21 +297,36 @@ if fence == 1 then
 end
 return fence
 """,
+    resend=_acquire_again,
 )
+
+
+def _release_again(args: Sequence[Arg]) -> Sequence[Arg]:
+    # The first send most likely deleted the key: a missing key is released.
+    return (args[0], "1")
+
 
 # Delete the lock only if it still holds our token.
 #
 # KEYS[1]  lock key
 # ARGV[1]  token
-# Returns  1 when the lock was ours and is now deleted, 0 otherwise.
+# ARGV[2]  "0" on the first send; "1" when the same release is sent again after
+#          its reply was lost (see Script): a missing key then counts as deleted
+# Returns  1 when the lock was ours and is now deleted (or, with ARGV[2] "1",
+#          is missing), 0 otherwise.
 RELEASE = Script(
     "release",
     """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   return redis.call('DEL', KEYS[1])
+end
+if not holder and ARGV[2] == '1' then
+  return 1
 end
 return 0
 """,
+    resend=_release_again,
 )
 
 # Delete a lock whose value names a given holder; for a worker cleaning up after
@@ -248,6 +346,12 @@ return 0
 """,
 )
 
+
+def _renew_again(args: Sequence[Arg]) -> Sequence[Arg] | None:
+    # Setting a TTL twice sets it once; adding twice adds twice.
+    return args if args[0] in ("1", b"1") else None
+
+
 # Push back the expiry of any number of locks, each only if it holds our token.
 # One call serves extend(), reacquire() and the watchdog's batched renewals.
 #
@@ -257,6 +361,9 @@ return 0
 # ARGV[2i+1]   milliseconds for KEYS[i]
 # Returns      a table with, for each key, its new PTTL in ms, or 0 when the key
 #              does not hold our token (or, when adding, has no expiry to add to).
+#
+# After a lost reply (see Script) a call that sets TTLs is sent again as it is;
+# one that adds is not, and its caller gets the connection error.
 RENEW = Script(
     "renew",
     """
@@ -282,6 +389,7 @@ for i, key in ipairs(KEYS) do
 end
 return result
 """,
+    resend=_renew_again,
 )
 
 # Redlock: raise one master's fence counter to the fence about to be handed out.

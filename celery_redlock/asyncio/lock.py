@@ -313,7 +313,7 @@ class Lock(LockSettings):
             ACQUIRE,
             self.redis,
             (self.name, self.fence_key),
-            (token, self._ttl_ms, self._fence_retention_ms),
+            (token, self._ttl_ms, self._fence_retention_ms, "0"),
         )
         if isinstance(reply, list):
             holder_ttl_ms, holder = reply
@@ -405,7 +405,7 @@ class Lock(LockSettings):
 
     async def _send_release(self, token: bytes) -> bool:
         """One release round trip: ``True`` if the lock held ``token`` and is deleted."""
-        return bool(await run_script(RELEASE, self.redis, (self.name,), (token,)))
+        return bool(await run_script(RELEASE, self.redis, (self.name,), (token, "0")))
 
     def extend(
         self, additional_time: Number, replace_ttl: bool = False

@@ -227,7 +227,7 @@ class _Masters:
             return min(pttls)
         if votes.refused_by_majority:
             # Masters that still hold our token would keep others out until it expires.
-            self.send(_script(RELEASE, (lease.name,), (lease.token,)))
+            self.send(_script(RELEASE, (lease.name,), (lease.token, "0")))
             return 0
         raise self.failure(
             f"Cannot renew lock {lease.name}",
@@ -331,7 +331,7 @@ class Redlock(Lock):
 
         if self.fencing:
             keys: tuple[Arg, ...] = (self.name, self.fence_key)
-            request = _script(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms))
+            request = _script(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms, "0"))
         else:
             request = _script(_SET_NX, (self.name,), (token, self._ttl_ms))
         grant, votes = await masters.vote(request, agrees)
@@ -379,7 +379,7 @@ class Redlock(Lock):
         ]
         if not undo:
             return
-        release = self._masters.send(_script(RELEASE, (self.name,), (token,)), only=undo)
+        release = self._masters.send(_script(RELEASE, (self.name,), (token, "0")), only=undo)
         awaited = _Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
         await self._masters.collect(awaited)
 
@@ -408,7 +408,7 @@ class Redlock(Lock):
 
     async def _send_release(self, token: bytes) -> bool:
         round_, votes = await self._masters.vote(
-            _script(RELEASE, (self.name,), (token,)),
+            _script(RELEASE, (self.name,), (token, "0")),
             lambda i, reply: reply == 1,
         )
         if votes.won:

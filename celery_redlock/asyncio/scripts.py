@@ -9,6 +9,7 @@ not know the script (after ``SCRIPT FLUSH`` or a restart) gets it once with
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
 
     Raises:
         redis.exceptions.RedisError: Whatever the server or connection raises,
-            except ``NOSCRIPT``, which is handled here.
+            except ``NOSCRIPT``, which is handled here, and a connection error
+            that the script's ``resend`` recovers from.
     """
     pool = getattr(client, "connection_pool", None)
     # Single-connection and Cluster clients go through redis-py as they are.
@@ -46,13 +48,20 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
     # skips redis-py's per-command bookkeeping, as the synchronous Script does.
     connection = await _checkout(pool)
     try:
+        if script.resend_differs:
+            await _reconnect_if_closed(connection)
         try:
             return await _run(script, connection, keys, args)
         except RedisConnectionError:
             # A pooled connection the server closed fails on first use: try
-            # once more on a fresh one. Timeouts are not retried.
+            # once more on a fresh one, as the script says is right in case
+            # the first send ran and only its reply was lost (see Script).
+            # Timeouts are not retried.
+            resent_args = script.resend(args)
+            if resent_args is None:
+                raise
             await connection.disconnect()
-            return await _run(script, connection, keys, args)
+            return await _run(script, connection, keys, resent_args)
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
     except BaseException:
@@ -62,6 +71,19 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
         raise
     finally:
         await pool.release(connection)
+
+
+async def _reconnect_if_closed(connection: Any) -> None:
+    # See Script.resend_differs: the pool's own check is skipped when
+    # maintenance notifications are enabled. Yield first, so the event loop
+    # has read what reached the socket (a server's end of file) before we look.
+    await asyncio.sleep(0)
+    try:
+        if await connection.can_read():
+            raise RedisConnectionError("connection not ready")
+    except (RedisConnectionError, OSError):
+        await connection.disconnect()
+        await connection.connect()
 
 
 async def _run(script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:

@@ -82,7 +82,7 @@ def test_handover_in_place_and_fences_increase(r: redis.Redis) -> None:
     r.delete(key)
     _, second, found = HANDOVER(r, (key, fence_key_for(key), key), ("E3", 3000, 60000, "R3"))
     assert found == 0 and second > first
-    assert RELEASE(r, (key,), ("E3",)) == 1
+    assert RELEASE(r, (key,), ("E3", "0")) == 1
 
 
 # -- the publishing side -------------------------------------------------------------

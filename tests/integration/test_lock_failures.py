@@ -10,7 +10,8 @@ import time
 import pytest
 import redis
 
-from celery_redlock import Lock, LockNotOwned
+from celery_redlock import Lock, LockNotOwned, fence_key_for
+from celery_redlock.scripts import ACQUIRE
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -134,16 +135,21 @@ def test_a_timed_out_reply_is_never_read_by_the_next_operation(redis_server):
 
 
 def test_a_resent_acquire_is_idempotent(redis_server):
-    """An acquire whose reply was lost and is sent again finds its own token and holds the lock."""
+    """An acquire whose reply was lost and is sent again finds its own token and holds the lock.
+
+    Only the resend (ARGV[4] "1", sent by the script layer) may: a first send
+    with a token that holds the lock is another acquirer's, and is refused.
+    """
     client = redis_server.client()
     first = Lock(client, "resent", timeout=10)
     assert first.acquire(blocking=False, token="attempt-1")
     client.pexpire("resent", 2000)
-    again = Lock(client, "resent", timeout=10)
-    assert again.acquire(blocking=False, token="attempt-1")  # what a client retry sends
-    assert again.fence > first.fence
+    keys = ("resent", fence_key_for("resent"))
+    assert isinstance(ACQUIRE(client, keys, ("attempt-1", 10000, 3600000, "0")), list)
+    fence = ACQUIRE(client, keys, ("attempt-1", 10000, 3600000, "1"))  # what a resend sends
+    assert fence > first.fence
     assert 9000 < client.pttl("resent") <= 10000  # its TTL starts over
-    assert not Lock(client, "resent", timeout=10).acquire(blocking=False, token="other")
+    assert isinstance(ACQUIRE(client, keys, ("other", 10000, 3600000, "1")), list)
 
 
 def test_bytes_names_and_single_connection_clients_work(redis_server):

@@ -14,8 +14,10 @@ import pytest
 import redis
 import redis.asyncio
 
-from celery_redlock import LockNotOwned
+from celery_redlock import LockNotOwned, fence_key_for
 from celery_redlock.asyncio import Lock
+from celery_redlock.asyncio.scripts import run_script
+from celery_redlock.scripts import ACQUIRE
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -141,15 +143,21 @@ def test_a_timed_out_reply_is_never_read_by_the_next_operation(arun, redis_serve
 
 
 def test_a_resent_acquire_is_idempotent(arun):
-    """An acquire whose reply was lost and is sent again finds its own token and holds the lock."""
+    """An acquire whose reply was lost and is sent again finds its own token and holds the lock.
+
+    Only the resend (ARGV[4] "1", sent by run_script) may: a first send with a
+    token that holds the lock is another acquirer's, and is refused.
+    """
 
     async def scenario(client):
         first = Lock(client, "resent", timeout=10)
         assert await first.acquire(blocking=False, token="attempt-1")
         await client.pexpire("resent", 2000)
-        again = Lock(client, "resent", timeout=10)
-        assert await again.acquire(blocking=False, token="attempt-1")
-        assert again.fence > first.fence
+        keys = ("resent", fence_key_for("resent"))
+        refused = await run_script(ACQUIRE, client, keys, ("attempt-1", 10000, 3600000, "0"))
+        assert isinstance(refused, list)
+        fence = await run_script(ACQUIRE, client, keys, ("attempt-1", 10000, 3600000, "1"))
+        assert fence > first.fence
         assert 9000 < await client.pttl("resent") <= 10000
         assert not await Lock(client, "resent", timeout=10).acquire(blocking=False, token="x")
 
