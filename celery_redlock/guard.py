@@ -8,6 +8,7 @@ on the task instance, which thread and gevent pools share between runs.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import random
 import time
@@ -29,7 +30,7 @@ from .keys import KeyBuilder
 from .lock import Lease, Lock
 from .store import LockStore, store_for
 
-__all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for"]
+__all__ = ["SKIPPED", "TaskGuard", "current_lock", "guard_for", "requeuing"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,17 @@ RESULT_GRACE = 1.0
 RESULT_POLL = 0.02
 
 T = TypeVar("T")
+
+# Set while the guard republishes a call it did not run (a requeue), so the
+# enqueue side can tell it from a retry, which republishes a call that ran.
+_requeuing: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "celery_redlock_requeuing", default=False
+)
+
+
+def requeuing() -> bool:
+    """``True`` while the guard is publishing a requeue of the current call."""
+    return _requeuing.get()
 
 
 class TaskGuard:
@@ -277,10 +289,13 @@ class TaskGuard:
         headers[REQUEUES_HEADER] = attempt
         if own and recheck:
             headers[SELF_HEADER] = 1
+        marked = _requeuing.set(True)
         try:
             task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
         except Exception as exc:
             self._requeue_failed(key, exc)
+        finally:
+            _requeuing.reset(marked)
         raise Ignore()
 
     def _requeue_failed(self, key: str, exc: Exception) -> NoReturn:
