@@ -32,13 +32,14 @@ from redis.exceptions import RedisError
 
 from . import signals
 from .exceptions import DuplicateTask, LockError
-from .guard import REQUEUES_HEADER, TaskGuard, current_lock, header_of
+from .guard import REQUEUES_HEADER, TaskGuard, current_lock, header_of, requeuing
 from .holder import Holder
 from .lock import Lease, Lock
 from .scripts import CANCEL_RESERVE, DEQUEUE, HANDOVER, RELEASE, RESERVE
 
 __all__ = [
     "CANVAS_OPTIONS",
+    "CONTINUES_HEADER",
     "RESERVATION_HEADER",
     "EnqueueGuard",
     "HandoverLock",
@@ -54,6 +55,10 @@ T = TypeVar("T")
 
 #: Message header carrying the value of the message's reservation.
 RESERVATION_HEADER = "x_redlock_reservation"
+#: Message header set on a retry (and kept by its requeues): the message
+#: continues a call that already ran, so the worker never drops it as a
+#: duplicate, whatever reservation it does or does not carry.
+CONTINUES_HEADER = "x_redlock_continues"
 
 #: ``apply_async`` options that tie a call to a canvas. Such a call is never
 #: folded into an existing copy: the copy would not carry its continuation.
@@ -184,6 +189,13 @@ def apply_async(
     # is the same task continuing: it keeps or renews its own reservation and
     # is never folded into another copy, or it would be lost.
     own = not request.called_directly and request.id == task_id
+    # A requeue republishes a message that has not run; anything else a run
+    # republishes under its own id is its retry. A retry says so in a header:
+    # when a newer copy holds the key it goes out without a reservation, and
+    # the worker must not take it for a duplicate of that copy.
+    requeue = own and requeuing()
+    if own and not requeue:
+        options = {**options, "headers": {**(options.get("headers") or {}), CONTINUES_HEADER: 1}}
     lease = current_lock() if own else None
     handing = lease is not None and lease.name == rkey and not lease.released
     # The reservation the running message carries. A republish that cannot
@@ -232,10 +244,9 @@ def apply_async(
             # The key already names this task (or another copy of a task
             # continuing itself): publish without taking it over.
             logger.debug("%s: %s is held by %s; republishing as is", label, rkey, holder_id)
-            # A requeue by the lock carries its stale value on, so a copy whose
-            # reservation lapsed is still known as one (and never skipped); a
-            # retry meeting a newer copy is published like a fresh message.
-            requeue = REQUEUES_HEADER in (options.get("headers") or {})
+            # A requeue carries its stale value on, so a copy whose reservation
+            # lapsed is still known as one (and never skipped); a retry
+            # carries CONTINUES_HEADER instead (and is never skipped either).
             return publish(
                 args, kwargs, task_id, _with_reservation(options, kept if requeue else None)
             )
@@ -404,7 +415,8 @@ class EnqueueGuard(TaskGuard):
     :class:`HandoverLock`; ``until_executing`` drops the reservation and runs
     the task without a lock. A message that bypassed ``apply_async``
     (``send_task``, beat without the task registered) carries no reservation:
-    it meets the lock like any duplicate would.
+    it meets the lock like any duplicate would. A retry (``CONTINUES_HEADER``)
+    may carry none either, and is never skipped.
     """
 
     @property
@@ -428,6 +440,15 @@ class EnqueueGuard(TaskGuard):
             # This call was reserved; a newer copy's reservation (if any) is
             # not a reason to drop it, and this mode has no execution lock.
             self._lapsed(rkey)
+        elif isinstance(reply, list) and header_of(request, CONTINUES_HEADER):
+            # A retry that went out while a newer copy held the key: the call
+            # it continues already left the queue, so it is no duplicate.
+            logger.debug(
+                "task %s[%s]: a retry; runs although %s is reserved by another copy",
+                self.task.name,
+                request.id,
+                rkey,
+            )
         elif isinstance(reply, list):
             pttl_ms, held = reply
             shim = super()._new_lock(rkey, request.id, f"task {self.task.name}[{request.id}]")
@@ -450,8 +471,8 @@ class EnqueueGuard(TaskGuard):
     def _conflict(self, key: str, lock: Lock) -> NoReturn:
         try:
             if isinstance(lock, HandoverLock):
-                if lock.lapsed:
-                    self._lapsed_conflict(key, lock)
+                if lock.lapsed or header_of(self.task.request, CONTINUES_HEADER):
+                    self._never_skip(key, lock)
                 self._retry_waits(key, lock)
             super()._conflict(key, lock)
         finally:
@@ -490,12 +511,14 @@ class EnqueueGuard(TaskGuard):
             logger.error("%s was lost before the task finished", lease.describe())
         return None
 
-    def _lapsed_conflict(self, key: str, lock: HandoverLock) -> None:
-        """A reserved call whose reservation lapsed meets another holder: never skip it.
+    def _never_skip(self, key: str, lock: HandoverLock) -> None:
+        """A call that is no duplicate meets another holder: never skip it.
 
-        The call was published and its callers may wait on it; it can neither
-        run beside the holder nor be dropped as a duplicate. ``"skip"`` turns
-        into a requeue; ``"requeue"`` and ``"raise"`` apply as configured.
+        Such a call is a reserved one whose reservation lapsed, or a retry
+        (which may carry no reservation: a newer copy held the key when it was
+        published). Its callers may wait on it; it can neither run beside the
+        holder nor be dropped as a duplicate. ``"skip"`` turns into a requeue;
+        ``"requeue"`` and ``"raise"`` apply as configured.
         """
         request = self.task.request
         value, holder_ttl = lock.local.holder or (None, None)
@@ -517,7 +540,7 @@ class EnqueueGuard(TaskGuard):
         value, holder_ttl = lock.local.holder or (None, None)
         holder = Holder.parse(value)
         if (
-            not lock.reservation
+            not (lock.reservation or header_of(request, CONTINUES_HEADER))
             or holder is None
             or holder.task_id != request.id
             or (request.delivery_info or {}).get("redelivered")

@@ -31,7 +31,15 @@ from .keys import KeyBuilder
 from .lock import Lease, Lock
 from .store import LockStore, store_for
 
-__all__ = ["SKIPPED", "TaskGuard", "called_inside", "current_lock", "guard_for", "guarding"]
+__all__ = [
+    "SKIPPED",
+    "TaskGuard",
+    "called_inside",
+    "current_lock",
+    "guard_for",
+    "guarding",
+    "requeuing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +84,16 @@ def called_inside(request: Any) -> bool:
     """
     task_id = request.id
     return task_id is not None and _guarded_task_id.get() == task_id
+
+
+# Set while the guard republishes a call it did not run (a requeue), so the
+# enqueue side can tell it from a retry, which republishes a call that ran.
+_requeuing: ContextVar[bool] = ContextVar("celery_redlock_requeuing", default=False)
+
+
+def requeuing() -> bool:
+    """``True`` while the guard is publishing a requeue of the current call."""
+    return _requeuing.get()
 
 
 class TaskGuard:
@@ -306,10 +324,13 @@ class TaskGuard:
         headers[REQUEUES_HEADER] = attempt
         if own and recheck:
             headers[SELF_HEADER] = 1
+        marked = _requeuing.set(True)
         try:
             task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
         except Exception as exc:
             self._requeue_failed(key, exc)
+        finally:
+            _requeuing.reset(marked)
         raise Ignore()
 
     def _requeue_failed(self, key: str, exc: Exception) -> NoReturn:

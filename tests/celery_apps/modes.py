@@ -27,6 +27,7 @@ from tests.celery_harness import UnlockedLease, record_execution, wait_for_gate
 __all__ = [
     "DUPLICATE_POLICIES",
     "MODES",
+    "RETRY_FIRST",
     "lapsed_key",
     "prerun_key",
     "register",
@@ -37,6 +38,8 @@ __all__ = [
 
 DUPLICATE_POLICIES = ("return_existing", "raise")
 GATE_TIMEOUT = 30.0
+#: Retry countdown of each ``modes.retry_first.<mode>`` task, in seconds.
+RETRY_FIRST = {"until_executing": 0.5, "until_and_while_executing": 2.5}
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -111,6 +114,8 @@ def register(app: Celery) -> None:
     for mode in MODES:
         for on_duplicate in DUPLICATE_POLICIES:
             _register_gated(app, mode, on_duplicate)
+    for mode, countdown in RETRY_FIRST.items():
+        _register_retry_first(app, mode, countdown)
 
     @app.task(
         base=SingletonTask,
@@ -228,6 +233,40 @@ def _register_gated(app: Celery, mode: str, on_duplicate: str) -> None:
     def gated(self: Task, x: Any, gate: str | None = None) -> Any:
         """Record the start, then wait for key ``gate``."""
         return _run_recorded(self, x, gate)
+
+
+def _register_retry_first(app: Celery, mode: str, countdown: float) -> None:
+    @app.task(
+        base=SingletonTask,
+        bind=True,
+        shared=False,
+        name=f"modes.retry_first.{mode}",
+        lock_mode=mode,
+        lock_on_conflict="skip",
+        lock_requeue_delay=0.1,
+        lock_requeue_max_delay=0.2,
+        max_retries=1,
+    )
+    def retry_first(self: Task, x: Any, gate: str) -> Any:
+        """The first copy to start retries when ``<gate>:retry`` is set; others wait on ``gate``."""
+        _announce(self)
+        client = _client(self)
+        retrier = f"{gate}:retrier"
+        first = self.request.retries == 0 and client.set(retrier, self.request.id, nx=True)
+        lease = current_lock() or UnlockedLease(f"unlocked:{self.name}:{x}")
+        with record_execution(
+            client,
+            self.app.conf.redlock_key_prefix,
+            task_id=self.request.id,
+            name=self.name,
+            lease=lease,
+            hostname=self.request.hostname,
+        ) as recorder:
+            opened = wait_for_gate(client, f"{gate}:retry" if first else gate, GATE_TIMEOUT)
+            recorder.extra["gate_timeout"] = not opened
+        if first:
+            raise self.retry(countdown=countdown)
+        return x
 
 
 def _connect_recorders() -> None:

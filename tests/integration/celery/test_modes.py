@@ -195,6 +195,67 @@ def test_retries_keep_the_lock_until_the_final_attempt(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "queued_for"), [("until_executing", 2.0), ("until_and_while_executing", 1.2)]
+)
+def test_a_retry_meeting_a_newer_copy_still_runs(
+    mode: str,
+    queued_for: float,
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    history: History,
+    prefix: str,
+) -> None:
+    """A retry published while a newer copy holds the key is never dropped as its duplicate.
+
+    The first call starts, a second one is reserved, then the first retries:
+    its retry goes out without a reservation. until_executing: the retry
+    comes due while the newer copy still waits, and runs. until_and_while_executing
+    (``lock_on_conflict="skip"``): it comes due while the newer copy runs, waits
+    for it and runs after it. Either way the first call ends in SUCCESS, its
+    link runs, and the newer copy runs too.
+    """
+    worker_factory("threads", 2)
+    task = storm_app.tasks[f"modes.retry_first.{mode}"]
+    after = storm_app.tasks["modes.after"]
+    gate = gate_name(prefix)
+    rkey = reservation_key(mode, task.lock_key_for(1, gate))
+    first = task.apply_async((1, gate), link=after.si("linked"))
+    wait_started(db9, prefix, first.id)
+    second = task.apply_async((1, gate), countdown=queued_for)
+    assert second.id != first.id
+    assert holder_of(db9, rkey) == second.id
+    db9.set(f"{gate}:retry", 1)  # the first call retries now
+    retried = time.monotonic()
+    # Past the retry's countdown (until_and_while_executing: the newer copy runs by then).
+    due = modes.RETRY_FIRST[mode] + 0.5
+    while time.monotonic() - retried < due:
+        assert first.state != SKIPPED, first.info
+        time.sleep(0.05)
+    db9.set(gate, 1)
+    assert first.get(timeout=20) == 1
+    assert second.get(timeout=20) == 1
+    assert [s["retries"] for s in starts(db9, prefix, first.id)] == [0, 1]
+    assert [s["retries"] for s in starts(db9, prefix, second.id)] == [0]
+    wait_until(
+        lambda: [s for s in starts(db9, prefix) if s.get("args") == ["linked"]],
+        timeout=10,
+        message="the first call's link",
+    )
+    if mode == "until_executing":
+        # The retry came due first: it did not wait for the newer copy's turn.
+        assert starts(db9, prefix, first.id)[1]["time"] < starts(db9, prefix, second.id)[0]["time"]
+    else:
+        # It met the running copy, waited, and ran once that one ended.
+        history.assert_no_overlap_per_key()
+        runs = {(e.task_id, e.start): e for e in history.executions()}
+        (newer,) = [e for (task_id, _), e in runs.items() if task_id == second.id]
+        assert max(start for task_id, start in runs if task_id == first.id) >= newer.end
+    assert not db9.exists(rkey)
+
+
+@pytest.mark.timeout(60)
 def test_a_retry_that_cannot_be_published_gives_the_lock_back(
     storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
 ) -> None:
