@@ -11,7 +11,6 @@ master has been silent for the node timeout.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import os
 import select
@@ -31,6 +30,9 @@ __all__ = ["NOT_ASKED", "PENDING", "Round", "Settle"]
 PREFETCH_SIZE = 65536
 #: How often a caller waiting on both sockets and background jobs checks the jobs.
 JOB_POLL = 0.001
+#: Most times the follow-up of a request run through a client is tried while it
+#: fails (a hung master times each try out: a few node timeouts in all).
+FOLLOW_UP_TRIES = 5
 
 # What a hiredis reader of redis-py returns while a reply is incomplete (False
 # before redis-py 5.1 made it a sentinel of its own).
@@ -372,17 +374,20 @@ def _late(
     """Use a background job that finished after its round was over.
 
     A new connection carries ``request``, if any, or goes idle. A request run
-    through a client (a master that cannot be polled) has now run, so its
-    ``follow_up`` goes after it.
+    through a client (a master that cannot be polled) has now run, or failed,
+    so its ``follow_up`` goes after it. It goes after a failure too: a request
+    that timed out waiting for its reply may still be run by a master that
+    resumes, and an acquire would then hold the key with nobody to release it.
     """
     try:
         result = job.result()
     except Exception:
+        if follow_up is not None and not node.pollable:
+            _follow(node, follow_up, FOLLOW_UP_TRIES)
         return
     if not isinstance(result, Connected):
         if follow_up is not None:
-            with contextlib.suppress(RedisError):
-                node.start(follow_up)
+            _follow(node, follow_up, FOLLOW_UP_TRIES)
         return
     conn = result.conn
     if request is None:
@@ -393,3 +398,25 @@ def _late(
     except RedisError:
         return
     node.park(conn, 1)
+
+
+def _follow(node: Node, follow_up: Request, tries: int) -> None:
+    """Run ``follow_up`` through ``node``'s client; try again while it fails, ``tries`` in all.
+
+    It goes on another connection than the request it follows, which a hung
+    master may still run when it resumes; a try that fails before it is even
+    sent (a new connection's handshake timing out) would leave that request
+    in force. Trying again for a few node timeouts covers a master that hangs
+    that long; one that hangs longer runs the request after the last try.
+    """
+    try:
+        job = node.start(follow_up)
+    except RedisError:
+        return
+    if tries > 1:
+
+        def again(done: concurrent.futures.Future[Any]) -> None:
+            if done.exception() is not None:
+                _follow(node, follow_up, tries - 1)
+
+        job.add_done_callback(again)

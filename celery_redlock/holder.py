@@ -12,6 +12,9 @@ writes the newer one::
     v1|token|task_id|node|pid
     v2|token|task_id|node|pid|acquired_ms|ttl_ms|host|queue
 
+A :class:`~celery_redlock.redlock.Redlock` that retries stores ``|N`` after
+the value on its ``N``-th attempt; :meth:`Holder.parse` reads past it.
+
 ``node`` is the worker's node name (``celery@host`` or whatever ``-n`` gave),
 ``host`` the machine's host name, ``acquired_ms`` the holder's wall clock at
 acquisition in Unix milliseconds, ``ttl_ms`` the lock's TTL (0: none) and
@@ -150,6 +153,10 @@ class Holder:
         if not value:
             return None
         fields = [_unescape(field) for field in value.split(_SEPARATOR)]
+        if len(fields) == 10 and fields[0] == _FORMAT and fields[9].isdigit():
+            # A later attempt of a Redlock acquisition stores "value|N"
+            # (redlock.ATTEMPT_SEPARATOR): the holder is the same.
+            del fields[9]
         if len(fields) == 5 and fields[0] == _OLD_FORMAT and fields[4].isdigit():
             _, token, task_id, hostname, pid = fields
             return cls(task_id=task_id, hostname=hostname, pid=int(pid), token=token)

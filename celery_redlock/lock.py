@@ -491,8 +491,9 @@ class Lock(LockSettings):
             stop_trying_at = self._clock() + blocking_timeout
         while True:
             if self.do_acquire(encoded):
-                self.local.token = encoded
                 lease = self.local.lease
+                # The value stored may be the token with an attempt number (Redlock).
+                self.local.token = encoded if lease is None else lease.token
                 if self.auto_renew and lease is not None:
                     self.watchdog.watch(lease)
                 return True

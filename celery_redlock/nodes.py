@@ -265,6 +265,14 @@ class Request:
             return self
         return Request((*self.command[:first_arg], *again), script)
 
+    @property
+    def key(self) -> Arg | None:
+        """The first key the command names (the lock's), or ``None``."""
+        command = self.command
+        if command[0] in ("EVAL", "EVALSHA"):
+            return command[3] if len(command) > 3 and int(command[2]) > 0 else None
+        return command[1] if len(command) > 1 else None
+
     def with_source(self) -> tuple[Arg, ...]:
         """Return the command as EVAL.
 
@@ -299,6 +307,13 @@ def node_address(kwargs: Mapping[str, Any]) -> str:
     if "path" in kwargs:
         return f"unix://{kwargs['path']}?db={db}"
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+def server_address(kwargs: Mapping[str, Any]) -> str:
+    """The server a master's connections reach, whatever the database: ``host:port`` or a path."""
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
 def _pollable(pool: Any, kwargs: dict[str, Any]) -> bool:
@@ -336,8 +351,12 @@ class Node:
         client: Any = None,
         connection_class: Any = None,
         kwargs: dict[str, Any] | None = None,
+        server: str | None = None,
     ) -> None:
         self.name = name
+        # The server itself, without the database: two databases of one server
+        # are one master, whose failure takes both.
+        self.server = name if server is None else server
         self.timeout = timeout
         # Either a client to run requests through on the thread pool, or what it
         # takes to open pollable connections (replies are parsed here, as bytes).
@@ -361,6 +380,9 @@ class Node:
         # connection -> (replies owed, when to give up on them, reserved)
         self._parked: dict[Any, tuple[int, float, bool]] = {}
         self._jobs = 0
+        # Key -> the latest job run through the client for it (masters that
+        # cannot be polled): the next one for that key waits for it to end.
+        self._chains: dict[Any, concurrent.futures.Future[Any]] = {}
 
     def checkout(self) -> tuple[Any, int] | None:
         """Return a connection and how many replies it owes before the next one.
@@ -433,31 +455,46 @@ class Node:
         The connection comes back unused: the caller sends on it, so a request
         nobody waits for any more is never sent (see :meth:`Round.finish`).
 
+        Through a client, each request runs on whichever of the client's
+        connections is free, and the master may run two requests of two
+        connections in either order: a release could run before the acquire it
+        undoes, which would then hold the key for its whole TTL (for ever
+        without one). So a request for a key starts only once the job of the
+        previous request for that key has ended, as the asyncio Redlock chains
+        its requests per key.
+
         Raises:
             redis.exceptions.ConnectionError: If this master already has
-                ``MAX_JOBS`` jobs running: it is not answering.
+                ``MAX_JOBS`` jobs running or waiting: it is not answering.
         """
         self._after_fork()
+        key = None if self.pollable else request.key
         with self._guard:
             if self._jobs >= MAX_JOBS:
                 raise redis.ConnectionError(f"{MAX_JOBS} connection attempts still pending")
-            self._jobs += 1
             generation = self._generation
-        try:
-            job = _background().submit(self._job, request)
-        except BaseException:
-            self._job_done(generation)
-            raise
-        job.add_done_callback(lambda _: self._job_done(generation))
+            previous = None if key is None else self._chains.get(key)
+            # Submitted under the lock, so that two threads chain in one order.
+            job = _background().submit(self._job, request, previous)
+            self._jobs += 1
+            if key is not None:
+                self._chains[key] = job
+        job.add_done_callback(lambda _: self._job_done(generation, key, job))
         return job
 
-    def _job_done(self, generation: int) -> None:
+    def _job_done(self, generation: int, key: Any, job: concurrent.futures.Future[Any]) -> None:
         with self._guard:
             if generation == self._generation:
                 self._jobs -= 1
+                if key is not None and self._chains.get(key) is job:
+                    del self._chains[key]
 
-    def _job(self, request: Request) -> Any:
+    def _job(self, request: Request, previous: concurrent.futures.Future[Any] | None) -> Any:
         if not self.pollable:
+            if previous is not None:
+                # Submitted earlier to the same (first in, first out) pool, it
+                # is running already: this waits at most for its socket timeout.
+                concurrent.futures.wait((previous,))
             return request.call(self.client)
         conn = self._connection_class(**self._kwargs)
         conn.connect()
@@ -494,12 +531,19 @@ def node_for(master: Master, timeout: float) -> Node:
         if pool is None or kwargs is None or not _pollable(pool, kwargs):
             # Used through a client on the thread pool; not shared, since such a
             # node has to keep its client alive.
-            name = repr(client) if kwargs is None else node_address(kwargs)
-            return Node(name, timeout, client=bounded_client(client, timeout))
+            if kwargs is None:
+                name = server = repr(client)
+            else:
+                name, server = node_address(kwargs), server_address(kwargs)
+            return Node(name, timeout, client=bounded_client(client, timeout), server=server)
         by_timeout = _nodes.setdefault(pool, {})
         node = by_timeout.get(timeout)
         if node is None:
             node = by_timeout[timeout] = Node(
-                node_address(kwargs), timeout, connection_class=pool.connection_class, kwargs=kwargs
+                node_address(kwargs),
+                timeout,
+                connection_class=pool.connection_class,
+                kwargs=kwargs,
+                server=server_address(kwargs),
             )
         return node

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,18 @@ from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 
 logger = logging.getLogger(__name__)
+
+#: Joins a token and the number of a later attempt made with it (``token|2``).
+#: A lock value written by :class:`~celery_redlock.holder.Holder` keeps parsing:
+#: its fields never hold a bare ``|``, so a trailing number reads as the attempt.
+ATTEMPT_SEPARATOR = b"|"
+
+
+class _Attempts(threading.local):
+    # The token this thread last tried, and how many attempts were made with it.
+    token: bytes | None = None
+    count: int = 0
+
 
 # -- the lock ----------------------------------------------------------------------------
 
@@ -175,16 +188,18 @@ class Redlock(Lock):
             )
         self.node_timeout = check_node_timeout(node_timeout, self.timeout)
         nodes = [node_for(master, self.node_timeout) for master in masters]
-        names = Counter(node.name for node in nodes)
-        twice = [name for name, count in names.items() if count > 1]
+        servers = Counter(node.server for node in nodes)
+        twice = [server for server, count in servers.items() if count > 1]
         if twice:
-            # Two entries for one server would give it two votes.
+            # Two entries for one server (say two of its databases) would give
+            # it two votes, and its failure would cost two.
             raise ConfigurationError("masters", twice, "name the same server more than once")
         self.masters = tuple(masters)
         self._masters = Masters(nodes, self.node_timeout)
         # Every acquire and release sends the same command but for the token.
         self._grant = self._grant_template()
         self._release = Template(("EVAL", RELEASE.source, 1, self.name, b"", "0"), 4, RELEASE)
+        self._attempts = _Attempts()
 
     @property
     def quorum(self) -> int:
@@ -216,8 +231,39 @@ class Redlock(Lock):
             f"Unable to acquire lock {self.name} within the time specified", lock_name=self.name
         )
 
+    def _attempt_value(self, token: bytes) -> bytes:
+        """The value one attempt stores: the token, then ``token|2``, ``token|3``... on retries.
+
+        A failed attempt is undone with a compare-and-delete that reaches some
+        masters unawaited, behind its acquire on that acquire's connection. The
+        next attempt goes out on other connections, so a master can run it
+        first: with one value for both, the late undo would delete the next
+        attempt's grant, and a second client could take the lock while this
+        one believes it holds it. Routing the next attempt through the
+        connection that carries the undo would not do: that connection is
+        closed once its master has been silent for the node timeout, and bytes
+        already sent still arrive; a master reached through a client on the
+        thread pool has no such connection at all. A value of each attempt's
+        own makes any late undo harmless, however it travels.
+
+        Counted per thread, for one token after another: a retry, or a new
+        ``acquire()`` with the token of the last one, gets the next number. The
+        lease (hence :attr:`token` and the release) carries the value stored.
+        """
+        attempts = self._attempts
+        if attempts.token != token:
+            attempts.token, attempts.count = token, 1
+            return token
+        attempts.count += 1
+        return b"%s%s%d" % (token, ATTEMPT_SEPARATOR, attempts.count)
+
     def do_acquire(self, token: bytes) -> bool:
-        """Make one attempt on every master; on success store the new lease for this thread."""
+        """Make one attempt on every master; on success store the new lease for this thread.
+
+        The value stored is ``token``, or on a later attempt with the same
+        token ``token|N`` (see :meth:`_attempt_value`).
+        """
+        token = self._attempt_value(token)
         masters = self._masters
         sent_at = self._clock()
         lease = self._new_lease(RedlockLease, masters, token, None, sent_at)

@@ -14,13 +14,16 @@ sentinel    ``sentinel://host:port[;sentinel://host:port]`` and          ``Lock`
 ==========  ==========================================================  ==========
 
 The Sentinel form is kombu's (``broker_url`` plus ``broker_transport_options``),
-so a Sentinel broker can also serve as the lock store. ``rediss+cluster://``
+so a Sentinel broker can also serve as the lock store. kombu's unix-socket
+forms ``redis+socket:///path`` and ``socket:///path`` (database in
+``?virtual_host=N``) are read as ``unix:///path?db=N``. ``rediss+cluster://``
 is the TLS form of the Cluster URL. Parsing does no I/O, so a bad setting is
 reported when the worker starts; clients are built on first use.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -43,6 +46,7 @@ __all__ = [
     "CLUSTER_SCHEMES",
     "REDIS_SCHEMES",
     "SENTINEL_SCHEME",
+    "SOCKET_SCHEMES",
     "TOPOLOGIES",
     "LockStore",
     "StoreSpec",
@@ -53,6 +57,8 @@ __all__ = [
 
 #: Schemes of one plain Redis server (redis-py's).
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: kombu's schemes of one Redis server on a unix socket, read as ``unix://``.
+SOCKET_SCHEMES = ("redis+socket", "socket")
 #: Schemes of a Redis Cluster startup node (plain and TLS).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 #: Scheme of one Sentinel (kombu's).
@@ -119,7 +125,7 @@ def parse_store(conf: Mapping[str, Any]) -> StoreSpec:
     if isinstance(broker, (list, tuple)):
         broker = ";".join(str(url) for url in broker)
     if isinstance(broker, str):
-        parts = _split(broker)
+        parts = [_unix_url(part) for part in _split(broker)]
         scheme = _scheme(parts[0]) if parts else ""
         if scheme == SENTINEL_SCHEME:
             return _parse(
@@ -147,12 +153,24 @@ def _scheme(url: str) -> str:
     return url.partition("://")[0].lower() if "://" in url else ""
 
 
+def _unix_url(url: Any) -> Any:
+    """Read kombu's ``redis+socket:///path`` (or ``socket://``) as ``unix:///path``.
+
+    kombu names the database ``virtual_host`` in the query; redis-py ``db``.
+    Anything else is returned as it is.
+    """
+    if not isinstance(url, str) or _scheme(url) not in SOCKET_SCHEMES:
+        return url
+    unix = "unix://" + url.partition("://")[2]
+    return re.sub(r"(?<=[?&])virtual_host=", "db=", unix)
+
+
 def _parse(value: Any, setting: str, options: Any, options_setting: str) -> StoreSpec:
     if isinstance(value, (list, tuple)):
         return _parse_masters(value, setting)
     if not isinstance(value, str):
         raise ConfigurationError(setting, value, _EXPECTED)
-    parts = _split(value)
+    parts = [_unix_url(part) for part in _split(value)]
     schemes = {_scheme(part) for part in parts}
     if not parts or len(schemes) != 1:
         raise ConfigurationError(setting, redact_url(value), _EXPECTED)
@@ -191,6 +209,7 @@ def _parse_masters(value: Sequence[Any], setting: str) -> StoreSpec:
     if not value:
         raise ConfigurationError(setting, value, "must not be an empty list")
     seen: dict[tuple[Any, ...], int] = {}
+    value = [_unix_url(url) for url in value]
     for i, url in enumerate(value):
         where = f"{setting}[{i}]"
         if not isinstance(url, str) or _scheme(url) not in REDIS_SCHEMES:

@@ -114,3 +114,13 @@ def test_values_written_before_the_escape_still_parse():
     assert (parsed.task_id, parsed.hostname, parsed.queue) == ("order_42", "w_1@node", "q%20x")
     old = Holder.parse("v1|tok|job%1|w1@node|123")
     assert old == Holder(task_id="job%1", hostname="w1@node", pid=123, token="tok")
+
+
+def test_a_redlock_retrys_attempt_number_reads_as_the_same_holder():
+    """``value|N``, stored by a Redlock's N-th attempt, names the same holder and fragment."""
+    holder = Holder.new("t|1", "celery@w", ttl=5)
+    value = holder.encode() + "|3"
+    assert Holder.parse(value) == holder
+    assert Holder.parse(value.encode()) == holder
+    assert Holder.fragment("t|1", "celery@w") in value
+    assert Holder.parse(holder.encode() + "|x") is None

@@ -61,6 +61,21 @@ def test_the_same_server_twice_is_refused_whatever_the_spelling():
 
 
 @pytest.mark.parametrize(
+    ("first", "second", "server"),
+    [
+        ("redis://127.0.0.1:1/0", "redis://127.0.0.1:1/1", "127.0.0.1:1"),
+        ("unix:///tmp/r.sock?db=0", "unix:///tmp/r.sock?db=3", "unix:///tmp/r.sock"),
+    ],
+)
+def test_two_databases_of_one_server_are_refused_naming_it(first, second, server):
+    """Two databases of one server are one master: refused, naming the server."""
+    with pytest.raises(ConfigurationError) as info:
+        Redlock([first, second, OFFLINE[1]], "k", timeout=1)
+    assert info.value.setting == "masters"
+    assert server in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("ttl", "expected"),
     [(None, 1.0), (100, 1.0), (10, 1.0), (1, 0.1), (0.3, 0.05), (0.06, 0.03)],
 )

@@ -42,6 +42,18 @@ SENTINELS = "sentinel://:pw@s1:26379/3;sentinel://s2:26380;sentinel://s3"
             tuple(SENTINELS.split(";")),
         ),
         ({"broker_url": "redis://b/0;redis://c/0"}, "redis", ("redis://b/0",)),
+        ({"broker_url": "redis+socket:///tmp/r.sock"}, "redis", ("unix:///tmp/r.sock",)),
+        (
+            {"broker_url": "socket:///tmp/r.sock?virtual_host=2"},
+            "redis",
+            ("unix:///tmp/r.sock?db=2",),
+        ),
+        ({"redlock_url": "redis+socket:///tmp/r.sock"}, "redis", ("unix:///tmp/r.sock",)),
+        (
+            {"redlock_url": ["socket:///tmp/a.sock", "redis://b:1"]},
+            "redlock",
+            ("unix:///tmp/a.sock", "redis://b:1"),
+        ),
     ],
 )
 def test_each_topology_is_read_from_its_syntax(conf, topology, urls):
@@ -111,6 +123,15 @@ def test_sentinel_options_follow_kombus_transport_options():
             "whole number",
         ),
         ({"broker_url": "sentinel://s1"}, "broker_transport_options", "master_name"),
+        ({"redlock_url": "redis+socket://"}, "redlock_url", "names no socket path"),
+        ({"broker_url": "socket://"}, "broker_url", "names no socket path"),
+        ({"broker_url": "socket:/tmp/r.sock"}, "redlock_url", "not a Redis URL"),
+        ({"broker_url": "redis+sock:///tmp/r.sock"}, "redlock_url", "not a Redis URL"),
+        (
+            {"redlock_url": ["socket:///tmp/a.sock", "unix:///tmp/a.sock?db=1"]},
+            "redlock_url[1]",
+            r"same server as redlock_url\[0\]",
+        ),
     ],
 )
 def test_bad_settings_name_the_setting(conf, setting, message):

@@ -1,0 +1,108 @@
+"""Redlock when a master runs requests out of the order they were sent in.
+
+A master runs one connection's commands in order, but two connections' in
+whatever order their bytes arrive. These tests make late bytes (a delaying
+proxy, a paused server) and check that no late request undoes a later one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from celery_redlock import Redlock
+from celery_redlock.holder import Holder
+from tests.delay_proxy import DelayProxy
+from tests.integration.test_redlock import wait_until, warm
+
+
+@pytest.mark.timeout(30)
+def test_late_undo_of_a_failed_attempt_leaves_the_next_attempts_grant(redis_servers):
+    """A retry's grant survives the previous attempt's release arriving after it."""
+    first, second, third = redis_servers(3)
+    name = "job"
+    with DelayProxy(third.port) as proxy:
+        masters = [first.client(), second.client(), redis.Redis(port=proxy.port)]
+        lock = Redlock(masters, name, timeout=10, node_timeout=0.05)
+        warm(lock)
+        # The second master refuses for 1.5 s: the first attempt needs the third.
+        second.client().set(name, "someone else", px=1500)
+        started = time.monotonic()
+        # The first attempt's acquire, and the release behind it, reach the third
+        # master 0.8 s late; the retry goes out on a new connection, on time.
+        proxy.hold(started + 0.8)
+        stop = threading.Timer(0.07, proxy.stop_holding)
+        stop.start()
+        try:
+            assert lock.acquire(blocking=True, sleep=0.2, blocking_timeout=3)
+        finally:
+            stop.join()
+        assert time.monotonic() < started + 0.8, "the retry came too late to race the undo"
+        time.sleep(max(0.0, started + 1.0 - time.monotonic()))
+        # The late release must not have deleted the retry's grant.
+        assert third.client().get(name) == lock.token
+        assert wait_until(lambda: second.client().get(name) is None, timeout=2)
+        other = Redlock(masters, name, timeout=10)
+        assert not other.acquire(blocking=False), "two holders at once"
+        lock.release()
+
+
+@pytest.mark.timeout(30)
+def test_retries_store_values_of_their_own_that_still_name_the_holder(redis_servers):
+    """Each attempt stores its own value; a Holder value still parses and is released by holder."""
+    servers = redis_servers(3)
+    clients = [s.client() for s in servers]
+    lock = Redlock(clients, "job", timeout=10)
+    warm(lock)
+    for client in clients[:2]:
+        client.set("job", "someone else", px=300)
+    holder = Holder.new("task-1", "celery@here", ttl=10, queue="q")
+    value = holder.encode().encode()
+    assert lock.acquire(token=value, sleep=0.1, blocking_timeout=3)
+    stored = lock.token
+    assert stored is not None and stored != value and stored.startswith(value + b"|")
+    assert clients[2].get("job") == stored
+    assert Holder.parse(stored) == holder
+    lock.release()
+    assert wait_until(lambda: all(c.get("job") is None for c in clients))
+
+
+@pytest.mark.timeout(60)
+def test_release_through_a_client_runs_after_its_acquire(redis_servers):
+    """On a master reached through its client (RESP3), a release never overtakes its acquire."""
+    servers = redis_servers(3)
+    resp3 = servers[2].client(protocol=3)
+    masters = [servers[0].client(), servers[1].client(), resp3]
+    names = [f"job{n}" for n in range(60)]
+    for name in names:
+        lock = Redlock(masters, name, timeout=30)
+        assert lock.acquire(blocking=False)
+        lock.release()
+    check = servers[2].client()
+    assert wait_until(lambda: not any(check.exists(name) for name in names), timeout=3), [
+        name for name in names if check.exists(name)
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_acquire_timed_out_through_a_client_is_still_undone(redis_servers):
+    """An acquire a hung master runs after the client gave up on it is released after it."""
+    servers = redis_servers(3)
+    masters = [servers[0].client(), servers[1].client(), servers[2].client(protocol=3)]
+    lock = Redlock(masters, "job", timeout=30, node_timeout=0.2)
+    warm(lock)
+    # The second master refuses and the third hangs: the attempt fails.
+    servers[1].client().set("job", "someone else", px=60000)
+    servers[2].pause()
+    try:
+        assert not lock.acquire(blocking=False)
+        # The client's socket timeout (the node timeout) passes while it is hung.
+        time.sleep(0.5)
+    finally:
+        servers[2].resume()
+    check = servers[2].client()
+    assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
+    assert servers[0].client().get("job") is None
