@@ -3,9 +3,12 @@
 :class:`RedlockStep` is a worker bootstep. Its constructor runs in the main
 process before the pool starts, which is what per-queue locking needs: it
 wraps the plain tasks' bodies before the pool builds the tracers that capture
-them, and prefork children inherit the wrapped tasks. The lock counters'
-shared memory is created there for the same reason, and the stale locks of a
-dead earlier run of the worker are released before it takes any task.
+them, and forked prefork children inherit the wrapped tasks. Spawned children
+inherit nothing; the step hands them what they need to do the same
+themselves (:mod:`celery_redlock.spawned`). The lock counters' shared memory
+is created there too (forked children only: see :data:`SPAWN_STATS_WARNING`),
+and the stale locks of a dead earlier run of the worker are released before
+it takes any task.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 from celery import bootsteps
 from redis.exceptions import RedisError
 
-from . import control, stats
+from . import control, spawned, stats
 from .conf import check_settings, flag, parse_queues
 from .exceptions import ConfigurationError
 from .inventory import clients_of
@@ -29,17 +32,30 @@ __all__ = ["RedlockStep", "check_lock_store", "prepare_worker", "recover_at_star
 
 logger = logging.getLogger(__name__)
 
+#: Why a worker whose pool spawns its processes counts nothing (logged once, at start).
+SPAWN_STATS_WARNING = (
+    "lock counters (redlock_stats) are off on this worker: its prefork pool starts its "
+    "processes with spawn, and spawned processes cannot reach the counters' memory, which "
+    "only forked ones share; set redlock_stats = False to silence this warning"
+)
+
 #: Eviction policies under which Redis never drops keys to free memory.
 _SAFE_POLICIES = ("noeviction",)
 
 
-def prepare_worker(app: Any, cli_queues: str | None, consumed: Mapping[str, Any]) -> QueueLocks:
+def prepare_worker(
+    app: Any, cli_queues: str | None, consumed: Mapping[str, Any], *, announce: bool = True
+) -> QueueLocks:
     """Validate every redlock setting and set up per-queue locking for one worker.
+
+    Runs in the worker's main process, and again in each spawned pool process
+    (see :mod:`celery_redlock.spawned`).
 
     Args:
         app: The worker's app.
         cli_queues: The ``--redlock-queues`` value, if given.
         consumed: The queues this worker consumes, by name.
+        announce: Log the locked queues at INFO (the main process does, once).
 
     Raises:
         ConfigurationError: Naming the first bad setting, option or queue.
@@ -59,7 +75,7 @@ def prepare_worker(app: Any, cli_queues: str | None, consumed: Mapping[str, Any]
     check_guarded_tasks(app, locks)
     register(app, locks)
     wrapped = lock_plain_tasks(app) if locks.locked else 0
-    if locks.locked:
+    if locks.locked and announce:
         logger.info(
             "celery-redlock: locking tasks from queue(s) %s (%d plain task(s) wrapped)",
             ", ".join(sorted(locks.locked)),
@@ -182,7 +198,8 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
         super().__init__(worker, **kwargs)
         app = worker.app
         try:
-            self.locks = prepare_worker(app, redlock_queues, dict(app.amqp.queues.consume_from))
+            consumed = dict(app.amqp.queues.consume_from)
+            self.locks = prepare_worker(app, redlock_queues, consumed)
             recover = flag(app.conf, "redlock_recover_stale", True)
             if redlock_recover_stale is not None:
                 if not isinstance(redlock_recover_stale, bool):
@@ -198,6 +215,18 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
                 raise SystemExit(f"celery-redlock: configuration error: {exc}") from None
             raise
         check_lock_store(app)
-        self.stats = stats.enable(app, _pool_size(worker)) if counting else None
+        spawning = spawned.spawns_pool_processes(worker)
+        if spawning and self.locks.locked:
+            spawned.hand_over(app, redlock_queues, consumed)
+        self.stats = None
+        if counting and spawning:
+            # The counters live in anonymous shared memory that only forked
+            # processes share. A named block would outlive a killed worker;
+            # counting in Redis would cost a round trip per task. Say so
+            # rather than report zeros.
+            logger.warning("celery-redlock: %s", SPAWN_STATS_WARNING)
+            stats.disable(app, SPAWN_STATS_WARNING)
+        elif counting:
+            self.stats = stats.enable(app, _pool_size(worker))
         logger.debug("celery-redlock: %s command registered", control.STATS_COMMAND)
         self.recovered = recover_at_start(app, worker.hostname) if recover else 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery.worker.control import inspect_command
 
-from .stats import table_for
+from .stats import disabled_because, table_for
 
 __all__ = ["STATS_COMMAND", "redlock_stats"]
 
@@ -27,5 +27,8 @@ def redlock_stats(state: Any, **kwargs: Any) -> dict[str, Any]:
     """Reply with this worker's lock counters per task since it started."""
     table = table_for(state.app)
     if table is None:
+        reason = disabled_because(state.app)
+        if reason is not None:
+            return {"error": f"celery-redlock: {reason}"}
         return {"error": "celery-redlock does not count on this worker (redlock_stats is off)"}
     return table.report()

@@ -26,7 +26,15 @@ from typing import Any
 
 from . import signals
 
-__all__ = ["COUNTERS", "OTHER_TASKS", "StatsTable", "enable", "table_for"]
+__all__ = [
+    "COUNTERS",
+    "OTHER_TASKS",
+    "StatsTable",
+    "disable",
+    "disabled_because",
+    "enable",
+    "table_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +135,7 @@ def _reset_if_alive(ref: weakref.ref[StatsTable]) -> None:
 
 
 _tables: weakref.WeakKeyDictionary[Any, StatsTable] = weakref.WeakKeyDictionary()
+_disabled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def table_for(app: Any) -> StatsTable | None:
@@ -140,12 +149,24 @@ def enable(app: Any, processes: int) -> StatsTable:
     Call it in the worker's main process before the pool starts; a later call
     starts the counts afresh.
     """
+    _disabled.pop(app, None)
     table = _tables[app] = StatsTable(app.tasks.keys(), processes)
     signals.lock_acquired.connect(_on_acquired, weak=False, dispatch_uid="celery-redlock-stats")
     signals.lock_contended.connect(_on_contended, weak=False, dispatch_uid="celery-redlock-stats")
     signals.lock_released.connect(_on_released, weak=False, dispatch_uid="celery-redlock-stats")
     signals.lock_lost.connect(_on_lost, weak=False, dispatch_uid="celery-redlock-stats")
     return table
+
+
+def disable(app: Any, reason: str) -> None:
+    """Stop counting for ``app``'s worker in this process, and remember why."""
+    _tables.pop(app, None)
+    _disabled[app] = reason
+
+
+def disabled_because(app: Any) -> str | None:
+    """Return why :func:`disable` turned counting off for ``app``, if it did."""
+    return _disabled.get(app)
 
 
 def _count(task: Any, counter: int) -> None:

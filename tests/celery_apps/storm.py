@@ -79,13 +79,33 @@ def environment(
     return env
 
 
+class _StormApp(Celery):  # type: ignore[misc]
+    """The storm app, which a spawned pool process rebuilds with its tasks.
+
+    Celery pickles an app as its configuration; the process that unpickles it
+    gets no tasks, since ``_register_tasks`` binds them to one app
+    (``shared=False``). Rebuild it from the environment the pool process
+    inherits, then apply the configuration, which includes what the worker's
+    main process changed at start.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_app, (dict(self._conf.changes),)
+
+
+def _rebuild_app(changes: dict[str, Any]) -> Celery:
+    app = create_app(os.environ)
+    app.conf.update(changes)
+    return app
+
+
 def create_app(env: Mapping[str, str]) -> Celery:
     """Build the app and its tasks from ``env`` (see the module docstring)."""
     prefix = env["REDLOCK_TEST_PREFIX"]
     queue = env["REDLOCK_TEST_QUEUE"]
     broker = env["REDLOCK_TEST_BROKER"]
     backend = env["REDLOCK_TEST_BACKEND"]
-    app = Celery(f"storm-{prefix}", set_as_current=False)
+    app = _StormApp(f"storm-{prefix}", set_as_current=False)
     keyprefix = {"global_keyprefix": f"{prefix}:"}
     app.conf.update(
         broker_url=broker,

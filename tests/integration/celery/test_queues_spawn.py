@@ -1,0 +1,129 @@
+"""Per-queue locking in a prefork worker whose pool spawns its processes instead of forking."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redlock import SKIPPED
+from celery_redlock.bootsteps import SPAWN_STATS_WARNING
+from tests.celery_harness import CeleryWorker, History, wait_until
+from tests.integration.celery.conftest import WorkerFactory
+from tests.integration.celery.test_queues import plain_key
+from tests.integration.celery.test_storms import submit, wait_for_states
+
+DUPLICATES = 3
+
+
+@pytest.fixture
+def locked_queue(queue: str) -> str:
+    """A second queue of the test, the one locking applies to."""
+    return f"{queue}.locked"
+
+
+def spawning_worker(
+    worker_factory: WorkerFactory,
+    queues: Sequence[str],
+    settings: dict[str, object],
+    extra_args: Sequence[str] = (),
+) -> CeleryWorker:
+    """Start a prefork -c 2 worker with ``settings`` applied last (on top of the test's)."""
+    worker_factory.env = {**worker_factory.env, "REDLOCK_TEST_SETTINGS": json.dumps(settings)}
+    return worker_factory("prefork", 2, queues=list(queues), extra_args=extra_args)
+
+
+def assert_one_locked_run(
+    app: Celery, history: History, db9: redis.Redis, locked_queue: str, gate: str
+) -> None:
+    """Hold one plain call open, send duplicates: they are skipped, the first runs alone, locked."""
+    task = app.tasks["storm.plain"]
+    first = task.apply_async((1, 0, gate), queue=locked_queue).id
+    key = plain_key(app, 1, 0, gate)
+    # Started either way; an unlocked start fails here at once rather than at a timeout.
+    wait_until(
+        lambda: db9.exists(key) or history.running("unlocked:1"),
+        40,
+        message="the first call to start",
+    )
+    assert db9.exists(key), "the first call from the locked queue runs without a lock"
+    duplicates = submit(task, (1, 0, gate), DUPLICATES, queue=locked_queue)
+    states = wait_for_states(app, duplicates, {SKIPPED, "SUCCESS"}, timeout=30)
+    assert {state for state, _ in states.values()} == {SKIPPED}, states
+    assert {info["holder"] for _, info in states.values()} == {first}
+    db9.set(gate, 1)
+    assert app.AsyncResult(first).get(timeout=20) == 1
+    (execution,) = history.executions()
+    assert execution.task_id == first and execution.extra["locked"]
+    history.assert_no_overlap_per_key()
+
+
+@pytest.mark.timeout(120)
+def test_spawned_pool_processes_lock_a_configured_queue(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    history: History,
+    db9: redis.Redis,
+    queue: str,
+    locked_queue: str,
+    prefix: str,
+) -> None:
+    """worker_pool_start_method='spawn': duplicates from a redlock_queues queue are skipped."""
+    settings = {
+        "worker_pool_start_method": "spawn",
+        "redlock_queues": {locked_queue: {"ttl": 5}},
+        "redlock_stats": False,
+    }
+    spawning_worker(worker_factory, [queue, locked_queue], settings)
+    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+
+
+@pytest.mark.timeout(120)
+def test_spawned_pool_processes_lock_a_queue_named_on_the_command_line(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    history: History,
+    db9: redis.Redis,
+    queue: str,
+    locked_queue: str,
+    prefix: str,
+) -> None:
+    """--pool-start-method=spawn --redlock-queues=Q (no setting): Q's duplicates are skipped.
+
+    The option's value exists only in the worker's main process: the spawned
+    processes must be handed it.
+    """
+    spawning_worker(
+        worker_factory,
+        [queue, locked_queue],
+        {"redlock_stats": False},
+        extra_args=["--pool-start-method=spawn", f"--redlock-queues={locked_queue}"],
+    )
+    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+
+
+@pytest.mark.timeout(120)
+def test_a_spawning_worker_says_once_that_it_counts_nothing(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    history: History,
+    db9: redis.Redis,
+    queue: str,
+    locked_queue: str,
+    prefix: str,
+) -> None:
+    """Under spawn the counters are off: one WARNING at start, and redlock_stats says why.
+
+    It must not answer with zeros that look like nothing was locked.
+    """
+    settings = {"worker_pool_start_method": "spawn", "redlock_queues": [locked_queue]}
+    worker = spawning_worker(worker_factory, [queue, locked_queue], settings)
+    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+    assert worker.log().count(SPAWN_STATS_WARNING) == 1
+    (reply,) = storm_app.control.broadcast(
+        "redlock_stats", reply=True, destination=[worker.nodename], timeout=5
+    )
+    assert reply[worker.nodename] == {"error": f"celery-redlock: {SPAWN_STATS_WARNING}"}
