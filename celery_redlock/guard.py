@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 #: Not a ready state: ``AsyncResult.get()`` keeps waiting; read ``.state``/``.info``.
 SKIPPED = "SKIPPED"
 
-#: Message header counting how often the lock sent this message back to the queue.
+#: Message header counting how often the lock sent this message back to the queue:
+#: ``[retries, count]``, so that a Celery retry (which copies the headers) starts
+#: its own count.
 REQUEUES_HEADER = "x_redlock_requeues"
 #: Message header set when a copy was requeued because it met its own task id.
 SELF_HEADER = "x_redlock_self"
@@ -160,7 +162,7 @@ class TaskGuard:
         )
         try:
             with holding(lease):
-                if header_of(request, SELF_HEADER) and self._already_done(request.id):
+                if self._met_itself(request) and self._already_done(request.id):
                     logger.info("%s: an earlier delivery already ran it; dropping", label)
                     raise Ignore()
                 return body()
@@ -236,7 +238,9 @@ class TaskGuard:
         action = self.options.on_conflict
         if action == "requeue" and request.is_eager:
             action = "raise"  # see _requeue
-        self._contended(key, holder, action)
+        # Out of requeues, the call fails: say so, not that it was requeued.
+        gives_up = action == "requeue" and requeues_of(request) >= self.options.max_requeues
+        self._contended(key, holder, "raise" if gives_up else action)
         if action == "requeue":
             self._requeue(key, holder_id, holder_ttl)
         if action == "skip":
@@ -251,7 +255,7 @@ class TaskGuard:
 
     def _contended(self, key: str, holder: Holder | None, action: str) -> None:
         task, request = self.task, self.task.request
-        attempt = int(header_of(request, REQUEUES_HEADER) or 0)
+        attempt = requeues_of(request)
         logger.info(
             "task %s[%s]: %s holds lock %s; %s",
             task.name,
@@ -294,7 +298,7 @@ class TaskGuard:
                 (not a holder) is why the call is requeued.
         """
         task, request = self.task, self.task.request
-        attempt = int(header_of(request, REQUEUES_HEADER) or 0) + 1
+        attempt = requeues_of(request) + 1
         if request.is_eager:
             raise LockNotAcquired(
                 f"task {task.name}[{request.id}] runs eagerly and cannot be requeued: "
@@ -321,9 +325,12 @@ class TaskGuard:
             # A dead first delivery frees the lock when its TTL runs out.
             delay = min(delay, holder_ttl + 0.1)
         headers = dict(request.headers or {})
-        headers[REQUEUES_HEADER] = attempt
+        retries = request.retries or 0
+        headers[REQUEUES_HEADER] = [retries, attempt]
         if own and recheck:
-            headers[SELF_HEADER] = 1
+            headers[SELF_HEADER] = retries
+        else:
+            headers.pop(SELF_HEADER, None)
         marked = _requeuing.set(True)
         try:
             task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
@@ -371,6 +378,16 @@ class TaskGuard:
             )
         except Exception:  # recording is a courtesy; the skip stands
             logger.warning("task %s[%s]: could not record SKIPPED", task.name, request.id)
+
+    @staticmethod
+    def _met_itself(request: Any) -> bool:
+        """Whether this message was requeued because it met its own task's lock.
+
+        Only for this attempt: a Celery retry copies the headers, and must not
+        take its own earlier attempt's result for a sign that it already ran.
+        """
+        marked = header_of(request, SELF_HEADER)
+        return marked is not None and marked == (request.retries or 0)
 
     def _already_done(self, task_id: str) -> bool:
         """Whether an earlier delivery of ``task_id`` finished, by its stored state.
@@ -426,6 +443,15 @@ def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
     # The exponent is capped: 2**40 times any delay is past every sane cap.
     delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** min(attempt - 1, 40))
     return float(delay * (1 - options.requeue_jitter * draw))
+
+
+def requeues_of(request: Any) -> int:
+    """How often the lock requeued this attempt of a task (0 after a Celery retry)."""
+    value = header_of(request, REQUEUES_HEADER)
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        retries, count = value
+        return int(count) if retries == (request.retries or 0) else 0
+    return int(value or 0)  # a message requeued by an earlier version
 
 
 def header_of(request: Any, name: str) -> Any:

@@ -20,6 +20,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_redlock import SKIPPED, LockError, LockNotAcquired, SingletonTask, current_lock
 from celery_redlock import signals as redlock_signals
+from celery_redlock.guard import requeues_of
 
 
 @pytest.fixture
@@ -242,7 +243,7 @@ def test_requeue_keeps_id_arguments_queue_priority_and_headers(make_app):
                 "queue": self.request.delivery_info.get("routing_key"),
                 "priority": self.request.delivery_info.get("priority"),
                 "custom": (self.request.headers or {}).get("x_custom"),
-                "requeues": (self.request.headers or {}).get("x_redlock_requeues"),
+                "requeues": requeues_of(self.request),
             }
         )
         started.set()
@@ -283,7 +284,7 @@ def test_requeues_are_bounded_with_a_clear_final_failure(make_app):
         started.set()
         finish.wait(15)
 
-    with worker(app):
+    with worker(app), received(redlock_signals.lock_contended) as events:
         first = stuck.delay()
         assert started.wait(10)
         second = stuck.delay()
@@ -291,6 +292,9 @@ def test_requeues_are_bounded_with_a_clear_final_failure(make_app):
             second.get(timeout=10)
         finish.set()
         first.get(timeout=10)
+    # Three requeues, then the failure is reported as what it is.
+    actions = [e["action"] for e in events if e["task_id"] == second.id]
+    assert actions == ["requeue", "requeue", "requeue", "raise"]
 
 
 def test_current_lock_is_per_request_in_a_thread_pool(make_app):

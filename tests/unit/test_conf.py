@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from celery.app.task import Context
 
 from celery_redlock import ConfigurationError
 from celery_redlock.conf import LockOptions, lock_url, resolve, validate_settings
-from celery_redlock.guard import requeue_delay
+from celery_redlock.guard import REQUEUES_HEADER, SELF_HEADER, TaskGuard, requeue_delay, requeues_of
 
 
 class FakeTask:
@@ -134,3 +135,27 @@ def test_a_plain_task_asking_for_an_enqueue_mode_is_refused():
     with pytest.raises(ConfigurationError, match="SingletonTask") as info:
         resolve(plain, {}, "q", {})
     assert info.value.setting == "proj.task.lock_mode"
+
+
+@pytest.mark.parametrize(
+    ("header", "retries", "expected"),
+    [
+        (None, 0, 0),
+        ([0, 3], 0, 3),
+        ([0, 3], 1, 0),  # a Celery retry copied the header: its own count starts at 0
+        ([2, 1], 2, 1),
+        (4, 1, 4),  # the plain count an earlier version wrote
+    ],
+)
+def test_requeues_are_counted_per_attempt(header, retries, expected):
+    """max_requeues bounds one attempt; a retry's copied header does not use it up."""
+    headers = {} if header is None else {REQUEUES_HEADER: header}
+    assert requeues_of(Context(headers=headers, retries=retries)) == expected
+
+
+def test_a_retry_of_a_copy_that_met_itself_is_not_taken_for_that_copy():
+    """The "met its own lock" mark belongs to one attempt: a retry does not recheck the result."""
+    marked = Context(headers={SELF_HEADER: 0}, retries=0)
+    assert TaskGuard._met_itself(marked)
+    assert not TaskGuard._met_itself(Context(headers={SELF_HEADER: 0}, retries=1))
+    assert not TaskGuard._met_itself(Context(headers={}, retries=0))
