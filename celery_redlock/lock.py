@@ -376,8 +376,9 @@ class Lock(LockSettings):
             the watchdog thread; keep it short.
         fencing: Draw a fencing token on each acquisition (same round trip).
         fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Lifetime in seconds of a fence key once seeded; after it
-            expires, fences reseed from the server clock and still increase.
+        fence_retention: Seconds a fence key outlives its name's latest
+            acquisition; a name unused that long reseeds its fences from the
+            server clock, and they still increase.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).

@@ -254,7 +254,7 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # KEYS[2]  fence key (same hash slot as the lock key)
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
-# ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
+# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
 # ARGV[4]  "0" on the first send; "1" when this same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
 # Returns  the fence (an integer > 0) when the lock was taken (or, with ARGV[4]
@@ -262,11 +262,12 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          {holder's PTTL in ms (-1: no expiry), holder's value}.
 #
 # Fences count up from a seed: the server clock in microseconds, taken when the
-# fence key is missing (first use, expiry, or a restart that lost it). The seed
-# exceeds every fence handed out before, because no name is acquired a million
-# times a second, so the fence key may expire and keys never pile up. In steady
-# state the fence is a plain INCR, which keeps fences strictly increasing even
-# if the server clock steps back.
+# fence key is missing (first use, a name unused for ARGV[3] ms, or a restart
+# that lost it). The seed exceeds every fence handed out before, because no
+# name is acquired a million times a second, so the fence key may expire and
+# keys never pile up. Each draw renews the key's expiry, so a name in use never
+# reseeds: in steady state the fence is a plain INCR, which keeps fences
+# strictly increasing even if the server clock steps back.
 ACQUIRE = Script(
     "acquire",
     """
@@ -294,6 +295,8 @@ if fence == 1 then
   local now = redis.call('TIME')
   fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
   redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return fence
 """,
@@ -398,7 +401,7 @@ return result
 # KEYS[2]  fence key (same hash slot as the lock key)
 # ARGV[1]  token of the acquisition handing the fence out
 # ARGV[2]  the fence, in decimal
-# ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
+# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
 # Returns  1 when the counter was lower (or missing) and now holds the fence;
 #          0 when it already held the fence or more: a value someone else drew;
 #          -1 when another token holds the lock key here (the counter is untouched).
@@ -407,7 +410,7 @@ return result
 # acquisition then meets a counter that this call raised before the fence was
 # handed out, so it draws a larger one. A master where someone else holds the
 # lock refuses, so the raise cannot land after a later holder drew its fence
-# there. Counters only grow; KEEPTTL keeps the key's own retention.
+# there. Counters only grow; like a draw, a raise renews the key's expiry.
 RAISE_FENCE = Script(
     "raise_fence",
     """
@@ -417,13 +420,10 @@ if holder and holder ~= ARGV[1] then
 end
 local current = redis.call('GET', KEYS[2])
 if current and tonumber(current) >= tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
   return 0
 end
-if current then
-  redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
-else
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return 1
 """,
 )
@@ -514,7 +514,7 @@ return {redis.call('PTTL', KEYS[1]), current}
 #          ":queued" sibling (until_and_while_executing, same hash slot)
 # ARGV[1]  token of the execution lock
 # ARGV[2]  ttl in milliseconds (> 0)
-# ARGV[3]  lifetime of a newly seeded fence key, in milliseconds
+# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
 # ARGV[4]  the reservation value the message carries ("" for none)
 # Returns  {1, fence, found} when the lock was taken; found is 1 when the
 #          message's reservation was still there (and is now replaced or
@@ -542,6 +542,8 @@ if fence == 1 then
   local now = redis.call('TIME')
   fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
   redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return {1, fence, found}
 """,

@@ -91,7 +91,7 @@ class Lock(LockSettings):
             event loop, keep it short and non-blocking.
         fencing: Draw a fencing token on each acquisition (same round trip).
         fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Lifetime in seconds of a fence key once seeded.
+        fence_retention: Seconds a fence key outlives its name's latest acquisition.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         clock: Monotonic clock in seconds; injectable for tests.
         label: Who holds the lock, for log lines.

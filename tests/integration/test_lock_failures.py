@@ -107,6 +107,21 @@ def test_fence_keys_expire_and_fences_still_rise(redis_server):
     lock.release()
 
 
+def test_a_name_in_use_never_reseeds_its_fences(redis_server):
+    """Each acquisition renews the fence key: fences of a busy name are consecutive."""
+    client = redis_server.client()
+    lock = Lock(client, "busy", timeout=1, fence_retention=0.3)
+    fences = []
+    deadline = time.monotonic() + 1.0  # three times the retention
+    while time.monotonic() < deadline:
+        assert lock.acquire(blocking=False)
+        fences.append(lock.fence)
+        lock.release()
+        time.sleep(0.02)
+    assert fences == list(range(fences[0], fences[0] + len(fences)))
+    assert 0 < client.pttl(fence_key_for("busy")) <= 300
+
+
 def test_unreachable_server_raises_a_connection_error(redis_server):
     """With the server gone, acquire raises ConnectionError rather than returning False."""
     client = redis_server.client(socket_connect_timeout=0.2)

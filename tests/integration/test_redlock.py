@@ -117,6 +117,22 @@ def test_fences_strictly_increase_and_are_written_to_a_majority(five):
     assert fences == sorted(set(fences))
 
 
+def test_a_name_in_use_never_reseeds_its_fences_on_any_master(five):
+    """Drawing and writing back a fence renew every master's key: busy names never reseed."""
+    clients = [s.client() for s in five]
+    lock = Redlock(clients, "busy", timeout=1, fence_retention=0.3)
+    fences = []
+    deadline = time.monotonic() + 1.0  # three times the retention
+    while time.monotonic() < deadline:
+        assert lock.acquire(blocking=False)
+        fences.append(lock.fence)
+        lock.release()
+        time.sleep(0.02)
+    assert fences == sorted(set(fences))
+    # A reseed would jump to the clock in microseconds: far more than one per draw.
+    assert fences[-1] - fences[0] < 10 * len(fences)
+
+
 def test_fence_outlives_the_masters_that_drew_it(five):
     """A fence drawn on one master is written back: later holders exceed it without that master."""
     clients = [s.client() for s in five]
