@@ -57,7 +57,7 @@ _LockT = TypeVar("_LockT", bound="Lock")
 class TaskState:
     """What one task knows about its hold of one lock."""
 
-    __slots__ = ("failure", "holder", "lease", "renewal", "token")
+    __slots__ = ("attempts", "failure", "holder", "lease", "renewal", "token", "tried")
 
     def __init__(self) -> None:
         self.token: bytes | None = None
@@ -66,6 +66,10 @@ class TaskState:
         # Why the latest attempt failed, when a subclass knows more than the holder.
         self.failure: LockError | None = None
         self.renewal: asyncio.Task[None] | None = None
+        # The token of the latest attempt, and how many attempts were numbered
+        # (for a subclass whose attempts store values of their own).
+        self.tried: bytes | None = None
+        self.attempts = 1
 
 
 class Lock(LockSettings):
@@ -245,9 +249,11 @@ class Lock(LockSettings):
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
+        retry = False
         while True:
-            if await self._attempt(state, encoded):
-                state.token = encoded
+            value = await self._attempt(state, encoded, retry)
+            if value is not None:
+                state.token = value
                 lease = state.lease
                 if self.auto_renew and lease is not None:
                     state.renewal = detach(keep_alive(lease, self._renewer(), self._clock))
@@ -259,6 +265,7 @@ class Lock(LockSettings):
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False
             await asyncio.sleep(delay)
+            retry = True
 
     def _retry_delay(self, sleep: Number) -> float:
         """Seconds to wait before the next attempt of a blocking acquire."""
@@ -268,8 +275,13 @@ class Lock(LockSettings):
         encoded: bytes = self.redis.get_encoder().encode(token)
         return encoded
 
-    async def _attempt(self, state: TaskState, token: bytes) -> bool:
-        """Make one attempt; on success store the new lease in ``state``."""
+    def _attempt_value(self, state: TaskState, token: bytes, retry: bool) -> bytes:
+        """The value one attempt stores: the token itself here."""
+        return token
+
+    async def _attempt(self, state: TaskState, token: bytes, retry: bool) -> bytes | None:
+        """Make one attempt; on success store the new lease in ``state``, return its value."""
+        token = self._attempt_value(state, token, retry)
         sent_at = self._clock()
         attempt = detach(self._send_acquire(token))
         if await settle(attempt):
@@ -282,7 +294,7 @@ class Lock(LockSettings):
         acquired, reply = attempt.result()
         if not acquired:
             self._refused(state, reply)
-            return False
+            return None
         state.holder = None
         state.failure = None
         state.lease = Lease(
@@ -298,7 +310,7 @@ class Lock(LockSettings):
             owner=self,
             label=self.label,
         )
-        return True
+        return token
 
     def _refused(self, state: TaskState, reply: Any) -> None:
         """Record in ``state`` why an attempt failed, from ``_send_acquire``'s reply."""
@@ -477,7 +489,7 @@ class Lock(LockSettings):
 
     @property
     def token(self) -> bytes | None:
-        """This task's token while it holds the lock, else ``None``."""
+        """This task's token (the value stored) while it holds the lock, else ``None``."""
         return self._state().token
 
     @property

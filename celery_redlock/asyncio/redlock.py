@@ -32,6 +32,19 @@ master may run before the acquire), and the event loop closing while the
 acquire is unanswered (no release is sent; await :func:`~.shielding.drain`
 before closing it). A grant made after either expires with the lock's TTL,
 counted from when the master ran it.
+
+That queue is bounded (:class:`_Queue`): while a master has left a request for
+the key unanswered for the node timeout, or has ``MAX_PENDING`` of them
+pending, further requests for the key fail there at once, counted as that
+master's failure, except the release each queued acquire is owed. A master
+hung for good (cut off without a connection reset, and clients without a
+``socket_timeout``) thus costs a few pending requests per key, and stays
+failed for that key in this process until its connection fails.
+
+Each attempt of an acquire stores a value of its own (``token``, then
+``token|N``; see :meth:`Redlock._attempt_value`), so a failed attempt's release
+that a master runs after the next attempt (the ``socket_timeout`` case above)
+cannot delete that attempt's grant.
 """
 
 from __future__ import annotations
@@ -44,11 +57,14 @@ from collections import Counter
 from collections.abc import Awaitable, Sequence
 from typing import Any, Callable
 
+import redis.exceptions
+
 from celery_redlock.exceptions import ConfigurationError, LockError, LockNotOwned, QuorumNotAchieved
 from celery_redlock.fanout import NOT_ASKED, PENDING
 from celery_redlock.lock import Lease, Number
 from celery_redlock.nodes import node_address
 from celery_redlock.quorum import Votes, check_node_timeout, lost_vote
+from celery_redlock.redlock import ATTEMPT_SEPARATOR
 from celery_redlock.replies import (
     Holder,
     as_bytes,
@@ -75,25 +91,86 @@ def _node_name(client: Any) -> str:
     return repr(client) if kwargs is None else node_address(kwargs)
 
 
-# The latest request for each lock key through each client, which the next
-# request for that key waits for. Weak keys: the entry goes with the client.
-_latest: weakref.WeakKeyDictionary[Any, dict[str, asyncio.Task[Any]]] = weakref.WeakKeyDictionary()
+#: Requests for one lock key that one master may have pending (sent or waiting
+#: their turn) before further ones fail at once, as that master's failure; a
+#: release the key's queue owes is queued all the same (see :class:`_Queue`).
+MAX_PENDING = 16
 
 
-def _queue_of(client: Any) -> dict[str, asyncio.Task[Any]]:
-    queue = _latest.get(client)
-    if queue is None:
-        queue = _latest[client] = {}
-    return queue
+class _Queue:
+    """The requests for one lock key through one client, which its master runs in order.
+
+    Each request is sent once the one before it has answered or failed. While
+    the request at the head has gone unanswered for the node timeout, or
+    ``MAX_PENDING`` requests are pending, a new request is not queued: it fails
+    at once. So a hung master ties up a few requests per key, not one per
+    operation for as long as it hangs.
+
+    Releases are exempt, within limits that keep the queue bounded: an acquire
+    queued here records its value as owed a release, and the first release of
+    that value is queued however long the queue, behind its acquire. A
+    release of a value not owed is not sent, and answers 0 (not deleted) at
+    once: its acquire never went out here (it failed at once), was refused
+    here (the key held another value), or a release of it is queued already.
+    """
+
+    __slots__ = ("head_since", "loop", "owed", "pending", "tail")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.tail: asyncio.Task[Any] | None = None
+        self.pending = 0
+        # Loop time when the request now at the head became the head.
+        self.head_since = loop.time()
+        # Values an acquire queued here may have stored, with no release queued
+        # since. A value never released (a hold abandoned to its TTL) stays
+        # until the client goes: a few bytes.
+        self.owed: set[bytes] = set()
+
+    def busy(self, timeout: float) -> str | None:
+        """Why a new request (other than an owed release) fails at once, or ``None``."""
+        if self.pending >= MAX_PENDING:
+            return f"{self.pending} requests for this key pending on this master"
+        waited = self.loop.time() - self.head_since
+        if self.pending and waited >= timeout:
+            return f"no answer to a request for this key for {waited:.3f} s"
+        return None
+
+    def add(self, task: asyncio.Task[Any]) -> None:
+        if not self.pending:
+            self.head_since = self.loop.time()
+        self.pending += 1
+        self.tail = task
+
+    def finished(self, queues: dict[str, _Queue], key: str, task: asyncio.Task[Any]) -> None:
+        self.pending -= 1
+        self.head_since = self.loop.time()  # the next request, if any, is sent now
+        if not self.pending and not self.owed and queues.get(key) is self:
+            del queues[key]
+        # A request nobody waited for may fail later (its master died): its error
+        # was either counted or does not matter, and asyncio must not log it as lost.
+        if not task.cancelled():
+            task.exception()
 
 
-def _finished(queue: dict[str, asyncio.Task[Any]], key: str, task: asyncio.Task[Any]) -> None:
-    if queue.get(key) is task:
-        del queue[key]
-    # A request nobody waited for may fail later (its master died): its error
-    # was either counted or does not matter, and asyncio must not log it as lost.
-    if not task.cancelled():
-        task.exception()
+# Each client's queue for each lock key, shared by every Redlock of this
+# process. Weak keys: the queues go with the client.
+_queues: weakref.WeakKeyDictionary[Any, dict[str, _Queue]] = weakref.WeakKeyDictionary()
+
+
+def _queues_of(client: Any) -> dict[str, _Queue]:
+    queues = _queues.get(client)
+    if queues is None:
+        queues = _queues[client] = {}
+    return queues
+
+
+async def _answer(reply: Any) -> Any:
+    return reply
+
+
+async def _fail(error: BaseException) -> Any:
+    raise error
 
 
 def _script(script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
@@ -118,37 +195,76 @@ class _Masters:
         self.name = name
         self.timeout = timeout
         self.quorum = len(clients) // 2 + 1
-        self._queues: list[dict[str, asyncio.Task[Any]]] = [{} for _ in clients]
+        self._queues: list[dict[str, _Queue]] = [{} for _ in clients]
 
-    def send(self, request: Request, only: Sequence[int] | None = None) -> _Round:
+    def send(
+        self,
+        request: Request,
+        only: Sequence[int] | None = None,
+        *,
+        acquires: bytes | None = None,
+        releases: bytes | None = None,
+    ) -> _Round:
         """Start ``request`` on every master (or those in ``only``), without waiting.
 
         Each master gets it once the previous request for this key through the
-        same client has answered or failed, so a master runs them in order.
+        same client has answered or failed, so a master runs them in order; or
+        it fails at once while that master is not answering this key (see
+        :class:`_Queue`). ``acquires`` is the value the request may store (an
+        acquire: it refuses with a list), ``releases`` the value it deletes.
         """
+        loop = asyncio.get_running_loop()
         targets = range(len(self.clients)) if only is None else only
         tasks = {}
         for i in targets:
-            client = self.clients[i]
-            try:
-                queue = _queue_of(client)
-            except TypeError:  # a client that cannot be weakly referenced
-                queue = self._queues[i]
-            task = detach(self._one(client, request, queue.get(self.name)))
-            queue[self.name] = task
-            task.add_done_callback(functools.partial(_finished, queue, self.name))
+            queue = self._queue(i, loop)
+            if releases is not None:
+                if releases not in queue.owed:
+                    tasks[i] = detach(_answer(0))
+                    continue
+                queue.owed.discard(releases)
+            else:
+                busy = queue.busy(self.timeout)
+                if busy is not None:
+                    tasks[i] = detach(_fail(redis.exceptions.ConnectionError(busy)))
+                    continue
+            if acquires is not None:
+                queue.owed.add(acquires)
+            task = detach(self._one(self.clients[i], request, queue.tail, queue, acquires))
+            queue.add(task)
+            task.add_done_callback(functools.partial(queue.finished, self._queues_of(i), self.name))
             tasks[i] = task
         return _Round(len(self.clients), tasks)
 
+    def _queues_of(self, i: int) -> dict[str, _Queue]:
+        try:
+            return _queues_of(self.clients[i])
+        except TypeError:  # a client that cannot be weakly referenced
+            return self._queues[i]
+
+    def _queue(self, i: int, loop: asyncio.AbstractEventLoop) -> _Queue:
+        queues = self._queues_of(i)
+        queue = queues.get(self.name)
+        # Requests left on a loop that is gone never finish: start afresh.
+        if queue is None or queue.loop is not loop:
+            queue = queues[self.name] = _Queue(loop)
+        return queue
+
     @staticmethod
-    async def _one(client: Any, request: Request, before: asyncio.Task[Any] | None) -> Any:
-        if (
-            before is not None
-            and not before.done()
-            and before.get_loop() is asyncio.get_running_loop()
-        ):
+    async def _one(
+        client: Any,
+        request: Request,
+        before: asyncio.Task[Any] | None,
+        queue: _Queue,
+        acquires: bytes | None,
+    ) -> Any:
+        if before is not None and not before.done():
             await asyncio.wait([before])
-        return await request(client)
+        reply = await request(client)
+        if acquires is not None and isinstance(reply, list):
+            # Refused ("held by"): nothing of ours is stored here, no release owed.
+            queue.owed.discard(acquires)
+        return reply
 
     async def collect(self, round_: _Round, settle: Settle | None = None) -> None:
         """Wait for replies, passing each to ``settle(index, reply or error)``.
@@ -185,10 +301,13 @@ class _Masters:
         self,
         request: Request,
         agrees: Callable[[int, Any], bool],
+        *,
+        acquires: bytes | None = None,
+        releases: bytes | None = None,
     ) -> tuple[_Round, Votes]:
         """Send ``request`` to every master and count until a majority is won or lost."""
         votes = Votes(len(self.clients))
-        round_ = self.send(request)
+        round_ = self.send(request, acquires=acquires, releases=releases)
         await self.collect(round_, votes.settle(agrees))
         return round_, votes
 
@@ -227,7 +346,7 @@ class _Masters:
             return min(pttls)
         if votes.refused_by_majority:
             # Masters that still hold our token would keep others out until it expires.
-            self.send(_script(RELEASE, (lease.name,), (lease.token, "0")))
+            self.send(_script(RELEASE, (lease.name,), (lease.token, "0")), releases=lease.token)
             return 0
         raise self.failure(
             f"Cannot renew lock {lease.name}",
@@ -301,6 +420,29 @@ class Redlock(Lock):
     def _renewer(self) -> Renewer:
         return self._masters.renew
 
+    def _attempt_value(self, state: TaskState, token: bytes, retry: bool) -> bytes:
+        """The value one attempt stores: the token, then ``token|N`` on retries (N from 2 up).
+
+        As for :meth:`celery_redlock.Redlock._attempt_value`: the undo of a
+        failed attempt may reach a master after the next attempt (behind an
+        acquire whose wait the client's ``socket_timeout`` ended, or on a
+        connection whose bytes are late), and with one value for both it
+        would delete the next attempt's grant there. A value of each
+        attempt's own makes any late undo harmless.
+
+        Counted in the calling task's state: a retry, or a new ``acquire()``
+        with the token of the task's last attempt, gets the next number. The
+        count never restarts, not even for a new token, since tasks that share
+        one state (``thread_local=False``) may interleave their attempts. The
+        lease, hence :attr:`token` and the release, carries the value stored.
+        """
+        if not retry and token != state.tried:
+            state.tried = token
+            return token
+        state.tried = token
+        state.attempts += 1
+        return b"%s%s%d" % (token, ATTEMPT_SEPARATOR, state.attempts)
+
     def _refused(self, state: TaskState, reply: Any) -> None:
         failure: QuorumNotAchieved = reply
         state.failure = failure
@@ -334,7 +476,7 @@ class Redlock(Lock):
             request = _script(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms, "0"))
         else:
             request = _script(_SET_NX, (self.name,), (token, self._ttl_ms))
-        grant, votes = await masters.vote(request, agrees)
+        grant, votes = await masters.vote(request, agrees, acquires=token)
         fence: int | None = None
         failure: QuorumNotAchieved | None = None
         if not votes.won:
@@ -379,7 +521,9 @@ class Redlock(Lock):
         ]
         if not undo:
             return
-        release = self._masters.send(_script(RELEASE, (self.name,), (token, "0")), only=undo)
+        release = self._masters.send(
+            _script(RELEASE, (self.name,), (token, "0")), only=undo, releases=token
+        )
         awaited = _Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
         await self._masters.collect(awaited)
 
@@ -410,6 +554,7 @@ class Redlock(Lock):
         round_, votes = await self._masters.vote(
             _script(RELEASE, (self.name,), (token, "0")),
             lambda i, reply: reply == 1,
+            releases=token,
         )
         if votes.won:
             return True
