@@ -49,7 +49,10 @@ def prepare_worker(
     """Validate every redlock setting and set up per-queue locking for one worker.
 
     Runs in the worker's main process, and again in each spawned pool process
-    (see :mod:`celery_redlock.spawned`).
+    (see :mod:`celery_redlock.spawned`). Every queue named in ``redlock_queues``
+    or ``--redlock-queues`` is locked whenever the worker consumes it, also
+    when it starts consuming it later (see :mod:`celery_redlock.added_queues`);
+    ``--redlock-queues`` must name queues the worker consumes at start.
 
     Args:
         app: The worker's app.
@@ -69,17 +72,25 @@ def prepare_worker(
                 f"is not a queue this worker consumes ({', '.join(sorted(consumed))})",
             )
         queues.setdefault(name, {})
-    locks = QueueLocks(
-        {name: queues[name] for name in queues if name in consumed}, consumed.values()
-    )
-    check_guarded_tasks(app, locks)
+    # Every locked queue, consumed or not: the worker may be told to consume one
+    # later (add_consumer), and its pool processes must already know it then.
+    locks = QueueLocks(queues, consumed.values(), app.amqp.queues.values())
+    check_guarded_tasks(app, locks, sorted(locks.consumed))
     register(app, locks)
     wrapped = lock_plain_tasks(app) if locks.locked else 0
-    if locks.locked and announce:
+    if announce and locks.consumed:
         logger.info(
             "celery-redlock: locking tasks from queue(s) %s (%d plain task(s) wrapped)",
-            ", ".join(sorted(locks.locked)),
+            ", ".join(sorted(locks.consumed)),
             wrapped,
+        )
+    waiting = sorted(locks.locked.keys() - locks.consumed)
+    if announce and waiting:
+        logger.info(
+            "celery-redlock: queue(s) %s will be locked if this worker is told to consume "
+            "them (add_consumer)%s",
+            ", ".join(waiting),
+            "" if locks.consumed else f" ({wrapped} plain task(s) wrapped)",
         )
     return locks
 

@@ -74,7 +74,9 @@ def install(app: Any) -> None:
     Adds the worker bootstep that validates the redlock settings at worker
     start, checks the lock store, turns on per-queue locking and the lock
     counters, and releases the stale locks of a dead earlier run of the
-    worker; the ``--redlock-queues`` and ``--redlock-recover`` worker options
+    worker; the consumer bootstep that checks each queue the worker is told
+    to consume at runtime (``add_consumer``); the ``--redlock-queues`` and
+    ``--redlock-recover`` worker options
     (unless the ``celery redlock`` plugin already added them); and the signal
     handler that releases the lock of a task killed by
     ``revoke(terminate=True, signal="SIGKILL")``. Call it from the module that
@@ -86,6 +88,7 @@ def install(app: Any) -> None:
     from celery.bin.worker import worker as worker_command
 
     from . import hooks
+    from .added_queues import AddedQueuesStep
     from .bootsteps import RedlockStep
 
     known = {param.name for param in worker_command.params}
@@ -93,4 +96,5 @@ def install(app: Any) -> None:
         if option.name not in known:
             app.user_options["worker"].add(option)
     app.steps["worker"].add(RedlockStep)
+    app.steps["consumer"].add(AddedQueuesStep)
     hooks.connect()
