@@ -65,6 +65,37 @@ def plain_key(app: Celery, *args: Any) -> str:
     return KeyBuilder(task.name, task.run, None, app.conf.redlock_key_prefix).key_for(args, {})
 
 
+def assert_duplicates_skipped(
+    app: Celery,
+    history: History,
+    db9: redis.Redis,
+    queue: str,
+    gate: str,
+    x: int = 1,
+    duplicates: int = 1,
+) -> None:
+    """Hold plain call ``x`` from ``queue`` open; its duplicates skip, it runs once, locked."""
+    task = app.tasks["storm.plain"]
+    first = task.apply_async((x, 0, gate), queue=queue).id
+    key = plain_key(app, x, 0, gate)
+    # Started either way; an unlocked start fails here at once rather than at a timeout.
+    wait_until(
+        lambda: db9.exists(key) or history.running(f"unlocked:{x}"),
+        40,
+        message=f"the first call {x} to start",
+    )
+    assert db9.exists(key), f"call {x} from the locked queue {queue} runs without a lock"
+    sent = submit(task, (x, 0, gate), duplicates, queue=queue)
+    states = wait_for_states(app, sent, {SKIPPED, "SUCCESS"}, timeout=30)
+    assert {state for state, _ in states.values()} == {SKIPPED}, states
+    assert {info["holder"] for _, info in states.values()} == {first}
+    db9.set(gate, 1)
+    assert app.AsyncResult(first).get(timeout=20) == x
+    runs = [e for e in history.executions() if e.task_id == first]
+    assert len(runs) == 1 and runs[0].extra["locked"]
+    history.assert_no_overlap_per_key()
+
+
 def storm_of_plain_calls(app: Celery, history: History, queue: str, gate: str) -> tuple[str, list]:
     """Send one plain call to ``queue``, wait until it holds its lock, then STORM - 1 duplicates."""
     task = app.tasks["storm.plain"]

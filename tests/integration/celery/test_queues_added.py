@@ -9,11 +9,10 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redlock import SKIPPED
 from tests.celery_harness import CeleryWorker, History, wait_until
 from tests.integration.celery.conftest import WorkerFactory
-from tests.integration.celery.test_queues import plain_key
-from tests.integration.celery.test_storms import wait_for_states
+from tests.integration.celery.test_queues import assert_duplicates_skipped
+from tests.integration.celery.test_queues_spawn import spawning_worker
 
 
 @pytest.fixture
@@ -51,30 +50,6 @@ def add_queue(app: Celery, worker: CeleryWorker, queue: str, count: int = 1) -> 
     wait_for_log(worker, f"Started consuming from {queue}", count)
 
 
-def assert_duplicate_skipped(
-    app: Celery, history: History, db9: redis.Redis, queue: str, x: int, gate: str
-) -> None:
-    """Hold one plain call ``x`` open, send a duplicate: it is skipped, the first runs locked."""
-    task = app.tasks["storm.plain"]
-    first = task.apply_async((x, 0, gate), queue=queue).id
-    key = plain_key(app, x, 0, gate)
-    # Started either way; an unlocked start fails here at once rather than at a timeout.
-    wait_until(
-        lambda: db9.exists(key) or history.running(f"unlocked:{x}"),
-        40,
-        message=f"the first call {x} to start",
-    )
-    assert db9.exists(key), f"call {x} from the added locked queue runs without a lock"
-    duplicate = task.apply_async((x, 0, gate), queue=queue).id
-    states = wait_for_states(app, [duplicate], {SKIPPED, "SUCCESS"}, timeout=30)
-    assert states[duplicate] == (SKIPPED, states[duplicate][1]), states
-    assert states[duplicate][1]["holder"] == first
-    db9.set(gate, 1)
-    assert app.AsyncResult(first).get(timeout=20) == x
-    runs = [e for e in history.executions() if e.task_id == first]
-    assert len(runs) == 1 and runs[0].extra["locked"]
-
-
 @pytest.mark.timeout(150)
 def test_a_locked_queue_added_at_runtime_is_locked_and_again_after_re_adding(
     storm_app: Celery,
@@ -93,11 +68,11 @@ def test_a_locked_queue_added_at_runtime_is_locked_and_again_after_re_adding(
     """
     worker = worker_factory("prefork", 2, queues=[queue])
     add_queue(storm_app, worker, locked_queue)
-    assert_duplicate_skipped(storm_app, history, db9, locked_queue, 1, f"{prefix}:gate1")
+    assert_duplicates_skipped(storm_app, history, db9, locked_queue, f"{prefix}:gate1", x=1)
     control(storm_app, worker, "cancel_consumer", locked_queue)
     wait_for_log(worker, f"Canceling queue {locked_queue}")
     add_queue(storm_app, worker, locked_queue, count=2)
-    assert_duplicate_skipped(storm_app, history, db9, locked_queue, 2, f"{prefix}:gate2")
+    assert_duplicates_skipped(storm_app, history, db9, locked_queue, f"{prefix}:gate2", x=2)
     assert len(history.executions()) == 2
     history.assert_no_overlap_per_key()
 
@@ -114,11 +89,9 @@ def test_spawned_pool_processes_lock_a_queue_added_at_runtime(
 ) -> None:
     """worker_pool_start_method='spawn': a redlock_queues queue added later is locked too."""
     settings = {"worker_pool_start_method": "spawn", "redlock_stats": False}
-    worker_factory.env = {**worker_factory.env, "REDLOCK_TEST_SETTINGS": json.dumps(settings)}
-    worker = worker_factory("prefork", 2, queues=[queue])
+    worker = spawning_worker(worker_factory, [queue], settings)
     add_queue(storm_app, worker, locked_queue)
-    assert_duplicate_skipped(storm_app, history, db9, locked_queue, 1, f"{prefix}:gate")
-    history.assert_no_overlap_per_key()
+    assert_duplicates_skipped(storm_app, history, db9, locked_queue, f"{prefix}:gate")
 
 
 @pytest.mark.timeout(90)

@@ -9,12 +9,10 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redlock import SKIPPED
 from celery_redlock.bootsteps import SPAWN_STATS_WARNING
-from tests.celery_harness import CeleryWorker, History, wait_until
+from tests.celery_harness import CeleryWorker, History
 from tests.integration.celery.conftest import WorkerFactory
-from tests.integration.celery.test_queues import plain_key
-from tests.integration.celery.test_storms import submit, wait_for_states
+from tests.integration.celery.test_queues import assert_duplicates_skipped
 
 DUPLICATES = 3
 
@@ -36,31 +34,6 @@ def spawning_worker(
     return worker_factory("prefork", 2, queues=list(queues), extra_args=extra_args)
 
 
-def assert_one_locked_run(
-    app: Celery, history: History, db9: redis.Redis, locked_queue: str, gate: str
-) -> None:
-    """Hold one plain call open, send duplicates: they are skipped, the first runs alone, locked."""
-    task = app.tasks["storm.plain"]
-    first = task.apply_async((1, 0, gate), queue=locked_queue).id
-    key = plain_key(app, 1, 0, gate)
-    # Started either way; an unlocked start fails here at once rather than at a timeout.
-    wait_until(
-        lambda: db9.exists(key) or history.running("unlocked:1"),
-        40,
-        message="the first call to start",
-    )
-    assert db9.exists(key), "the first call from the locked queue runs without a lock"
-    duplicates = submit(task, (1, 0, gate), DUPLICATES, queue=locked_queue)
-    states = wait_for_states(app, duplicates, {SKIPPED, "SUCCESS"}, timeout=30)
-    assert {state for state, _ in states.values()} == {SKIPPED}, states
-    assert {info["holder"] for _, info in states.values()} == {first}
-    db9.set(gate, 1)
-    assert app.AsyncResult(first).get(timeout=20) == 1
-    (execution,) = history.executions()
-    assert execution.task_id == first and execution.extra["locked"]
-    history.assert_no_overlap_per_key()
-
-
 @pytest.mark.timeout(120)
 def test_spawned_pool_processes_lock_a_configured_queue(
     storm_app: Celery,
@@ -78,7 +51,9 @@ def test_spawned_pool_processes_lock_a_configured_queue(
         "redlock_stats": False,
     }
     spawning_worker(worker_factory, [queue, locked_queue], settings)
-    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+    assert_duplicates_skipped(
+        storm_app, history, db9, locked_queue, f"{prefix}:gate", duplicates=DUPLICATES
+    )
 
 
 @pytest.mark.timeout(120)
@@ -102,7 +77,9 @@ def test_spawned_pool_processes_lock_a_queue_named_on_the_command_line(
         {"redlock_stats": False},
         extra_args=["--pool-start-method=spawn", f"--redlock-queues={locked_queue}"],
     )
-    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+    assert_duplicates_skipped(
+        storm_app, history, db9, locked_queue, f"{prefix}:gate", duplicates=DUPLICATES
+    )
 
 
 @pytest.mark.timeout(120)
@@ -121,7 +98,9 @@ def test_a_spawning_worker_says_once_that_it_counts_nothing(
     """
     settings = {"worker_pool_start_method": "spawn", "redlock_queues": [locked_queue]}
     worker = spawning_worker(worker_factory, [queue, locked_queue], settings)
-    assert_one_locked_run(storm_app, history, db9, locked_queue, f"{prefix}:gate")
+    assert_duplicates_skipped(
+        storm_app, history, db9, locked_queue, f"{prefix}:gate", duplicates=DUPLICATES
+    )
     assert worker.log().count(SPAWN_STATS_WARNING) == 1
     (reply,) = storm_app.control.broadcast(
         "redlock_stats", reply=True, destination=[worker.nodename], timeout=5
