@@ -19,8 +19,8 @@ import redis.asyncio
 
 import celery_redlock.asyncio
 from celery_redlock import Lock, Redlock
+from tests.fault_proxy import ReplyDroppingProxy
 from tests.redis_servers import RedisServer
-from tests.reply_dropping_proxy import ReplyDroppingProxy
 
 TTL = 10  # seconds; long enough never to expire during a test
 

@@ -15,7 +15,7 @@ import redis
 
 from celery_redlock import Redlock
 from celery_redlock.holder import Holder
-from tests.delay_proxy import DelayProxy
+from tests.fault_proxy import DelayProxy
 from tests.integration.test_redlock import wait_until, warm
 
 
