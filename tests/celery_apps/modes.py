@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -93,8 +95,9 @@ def _announce(task: Task, **extra: Any) -> None:
     _client(task).rpush(started_key(prefix), json.dumps(record))
 
 
-def _run_recorded(task: Task, x: Any, gate: str | None, seconds: float = 0.0) -> Any:
-    _announce(task)
+@contextmanager
+def _recorded(task: Task, x: Any) -> Iterator[Any]:
+    """Record this run of ``task`` (call ``x``) in the history, with its lock if it holds one."""
     lease = current_lock() or UnlockedLease(f"unlocked:{task.name}:{x}")
     with record_execution(
         _client(task),
@@ -104,6 +107,12 @@ def _run_recorded(task: Task, x: Any, gate: str | None, seconds: float = 0.0) ->
         lease=lease,
         hostname=task.request.hostname,
     ) as recorder:
+        yield recorder
+
+
+def _run_recorded(task: Task, x: Any, gate: str | None, seconds: float = 0.0) -> Any:
+    _announce(task)
+    with _recorded(task, x) as recorder:
         time.sleep(seconds)
         recorder.extra["gate_timeout"] = not wait_for_gate(_client(task), gate, GATE_TIMEOUT)
     return x
@@ -253,15 +262,7 @@ def _register_retry_first(app: Celery, mode: str, countdown: float) -> None:
         client = _client(self)
         retrier = f"{gate}:retrier"
         first = self.request.retries == 0 and client.set(retrier, self.request.id, nx=True)
-        lease = current_lock() or UnlockedLease(f"unlocked:{self.name}:{x}")
-        with record_execution(
-            client,
-            self.app.conf.redlock_key_prefix,
-            task_id=self.request.id,
-            name=self.name,
-            lease=lease,
-            hostname=self.request.hostname,
-        ) as recorder:
+        with _recorded(self, x) as recorder:
             opened = wait_for_gate(client, f"{gate}:retry" if first else gate, GATE_TIMEOUT)
             recorder.extra["gate_timeout"] = not opened
         if first:
