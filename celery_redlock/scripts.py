@@ -131,26 +131,30 @@ class Script:
     ``ConnectionError`` is then raised).
     """
 
-    __slots__ = ("name", "resend", "sha", "source")
+    __slots__ = ("check_connection", "name", "resend", "sha", "source")
 
-    def __init__(self, name: str, source: str, resend: Resend = _resend_as_is) -> None:
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        resend: Resend = _resend_as_is,
+        *,
+        check_connection: bool = False,
+    ) -> None:
         self.name = name
         self.source = source
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
         self.resend = resend
-
-    @property
-    def resend_differs(self) -> bool:
-        """Whether a resend is anything but the first send again.
-
-        Such a script checks its connection before sending and reconnects if
-        the server closed it (a restart): a resend would then be made although
-        the first send surely did not run, and could be wrong (a release would
-        take a key lost with the dataset for one it deleted). redis-py's pool
-        makes this check on check-out, but not on a reserved connection, nor
-        with maintenance notifications enabled (redis-py 8's default).
-        """
-        return self.resend is not _resend_as_is
+        #: Check the connection before sending, and reconnect if the server
+        #: closed it (a restart): for a script whose resend, made although the
+        #: first send surely did not run, would answer wrongly (a release would
+        #: take a key lost with the dataset for one it deleted) or not be made
+        #: at all (a renewal adding time). It costs a system call per call, so
+        #: a script whose resend is right either way (an acquire) goes without.
+        #: redis-py's pool makes this check on check-out, but not on a reserved
+        #: connection, nor with maintenance notifications enabled (redis-py 8's
+        #: default).
+        self.check_connection = check_connection
 
     def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run the script on ``client`` (a redis-py client) and return its reply.
@@ -190,7 +194,7 @@ class Script:
 
     def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         try:
-            if self.resend_differs:
+            if self.check_connection:
                 _reconnect_if_closed(connection)
             try:
                 return self._run(connection, keys, args)
@@ -330,6 +334,7 @@ end
 return 0
 """,
     resend=_release_again,
+    check_connection=True,
 )
 
 # Delete a lock whose value names a given holder; for a worker cleaning up after
@@ -393,6 +398,7 @@ end
 return result
 """,
     resend=_renew_again,
+    check_connection=True,
 )
 
 # Redlock: raise one master's fence counter to the fence about to be handed out.

@@ -9,7 +9,7 @@ not know the script (after ``SCRIPT FLUSH`` or a restart) gets it once with
 
 from __future__ import annotations
 
-import asyncio
+import select
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +48,7 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
     # skips redis-py's per-command bookkeeping, as the synchronous Script does.
     connection = await _checkout(pool)
     try:
-        if script.resend_differs:
+        if script.check_connection:
             await _reconnect_if_closed(connection)
         try:
             return await _run(script, connection, keys, args)
@@ -74,16 +74,29 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
 
 
 async def _reconnect_if_closed(connection: Any) -> None:
-    # See Script.resend_differs: the pool's own check is skipped when
-    # maintenance notifications are enabled. Yield first, so the event loop
-    # has read what reached the socket (a server's end of file) before we look.
-    await asyncio.sleep(0)
+    # See Script.check_connection: the pool's own check is skipped when
+    # maintenance notifications are enabled.
     try:
-        if await connection.can_read():
+        if await connection.can_read() or _socket_readable(connection):
             raise RedisConnectionError("connection not ready")
     except (RedisConnectionError, OSError):
         await connection.disconnect()
         await connection.connect()
+
+
+def _socket_readable(connection: Any) -> bool:
+    """Whether the socket holds what the event loop has not read yet (a server's end of file).
+
+    ``can_read`` sees only what the loop has already read. Polling the socket
+    costs one system call; yielding to the loop instead would cost a whole
+    pass of it on every lock operation.
+    """
+    writer = getattr(connection, "_writer", None)
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return False
+    readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    return bool(readable)
 
 
 async def _run(script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
