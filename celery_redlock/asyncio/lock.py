@@ -24,7 +24,7 @@ import logging
 import secrets
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Union
 
@@ -43,7 +43,7 @@ from celery_redlock.lock import (
 from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
 
 from .renewal import Renewer, keep_alive, renew_on
-from .scripts import run_script
+from .scripts import InFlight, run_script
 from .shielding import detach, settle
 
 __all__ = ["Lock"]
@@ -283,15 +283,26 @@ class Lock(LockSettings):
         """Make one attempt; on success store the new lease in ``state``, return its value."""
         token = self._attempt_value(state, token, retry)
         sent_at = self._clock()
-        attempt = detach(self._send_acquire(token))
-        if await settle(attempt):
-            # Cancelled while the SET NX was in flight: whatever it took, give back.
-            if not attempt.cancelled() and attempt.exception() is None:
-                acquired, _ = attempt.result()
+        if self._inline:
+            asked = _cancel_requests()
+            try:
+                acquired, reply = await self._send_acquire(token)
+            except InFlight as flight:
+                # Cancelled with the acquire in flight: learn what it took, give it back.
+                await self._give_back(detach(flight.finish), token, _granted)
+                raise asyncio.CancelledError() from None
+            if _cancel_requests() > asked:
+                # redis-py swallows a cancellation that comes while it connects,
+                # and goes on: the caller still asked to stop, so give back.
                 if acquired:
                     await settle(detach(self._undo(token)))
-            raise asyncio.CancelledError()
-        acquired, reply = attempt.result()
+                raise asyncio.CancelledError()
+        else:
+            attempt = detach(self._send_acquire(token))
+            if await settle(attempt):
+                await self._give_back(attempt, token, lambda reply: reply[0])
+                raise asyncio.CancelledError()
+            acquired, reply = attempt.result()
         if not acquired:
             self._refused(state, reply)
             return None
@@ -326,6 +337,7 @@ class Lock(LockSettings):
             self.redis,
             (self.name, self.fence_key),
             (token, self._ttl_ms, self._fence_retention_ms, "0"),
+            hand_over=self._inline,
         )
         if isinstance(reply, list):
             holder_ttl_ms, holder = reply
@@ -338,6 +350,25 @@ class Lock(LockSettings):
     def _renewer(self) -> Renewer:
         """How the renewal task renews this lock's leases (must not hold ``self``)."""
         return renew_on(self.redis)
+
+    @property
+    def _inline(self) -> bool:
+        """Whether round trips run in the caller, settled in the background only if cancelled.
+
+        A single server's script round trip can be handed over mid-flight
+        (:class:`~celery_redlock.asyncio.scripts.InFlight`); anything else
+        (``SET NX`` without fencing, a Redlock fan-out) runs in a task of its
+        own, which costs an event-loop pass or two per operation.
+        """
+        return self.fencing
+
+    async def _give_back(
+        self, outcome: asyncio.Future[Any], token: bytes, granted: Callable[[Any], bool]
+    ) -> None:
+        """Wait (through cancellations) for a cancelled acquire's outcome; undo a grant."""
+        await settle(outcome)
+        if not outcome.cancelled() and outcome.exception() is None and granted(outcome.result()):
+            await settle(detach(self._undo(token)))
 
     async def _undo(self, token: bytes) -> None:
         """Give back what an acquisition cancelled mid-flight may have taken."""
@@ -399,6 +430,37 @@ class Lock(LockSettings):
         if state.renewal is not None:
             state.renewal.cancel()
             state.renewal = None
+        if self._inline:
+            asked = _cancel_requests()
+            try:
+                owned = bool(await self._send_release(token))
+            except (InFlight, asyncio.CancelledError) as stopped:
+                # Cancelled: the release finishes first, from where it was (in
+                # flight), or whole (not sent yet).
+                finish = (
+                    stopped.finish
+                    if isinstance(stopped, InFlight)
+                    else run_script(RELEASE, self.redis, (self.name,), (token, "0"))
+                )
+                deletion = detach(finish)
+                await settle(deletion)
+                if deletion.cancelled():  # the loop is shutting down under us
+                    raise asyncio.CancelledError() from None
+                finishing = deletion.exception()
+                if finishing is None and not _granted(deletion.result()) and lease is not None:
+                    lease.lost = True
+                    lease.loss_reason = "not owned at release"
+                raise asyncio.CancelledError() from None
+            if not owned and lease is not None:
+                lease.lost = True
+                lease.loss_reason = "not owned at release"
+            if _cancel_requests() > asked:
+                raise asyncio.CancelledError()  # one redis-py swallowed while connecting
+            if not owned:
+                raise LockNotOwned(
+                    "Cannot release a lock that's no longer owned", lock_name=self.name
+                )
+            return
         deletion = detach(self._send_release(token))
         cancelled = await settle(deletion)
         if deletion.cancelled():  # the loop is shutting down under us
@@ -417,7 +479,10 @@ class Lock(LockSettings):
 
     async def _send_release(self, token: bytes) -> bool:
         """One release round trip: ``True`` if the lock held ``token`` and is deleted."""
-        return bool(await run_script(RELEASE, self.redis, (self.name,), (token, "0")))
+        reply = await run_script(
+            RELEASE, self.redis, (self.name,), (token, "0"), hand_over=self._inline
+        )
+        return bool(reply)
 
     def extend(
         self, additional_time: Number, replace_ttl: bool = False
@@ -516,3 +581,19 @@ class Lock(LockSettings):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"
+
+
+def _granted(reply: Any) -> bool:
+    """Whether a script's reply read after a cancellation says it took (or deleted) the key.
+
+    ACQUIRE answers a fence (an integer) when it took the lock and a table
+    when it did not; RELEASE answers 1 when it deleted the key.
+    """
+    return isinstance(reply, int) and reply > 0
+
+
+def _cancel_requests() -> int:
+    """How many cancellations of the current task are pending (0 before Python 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0

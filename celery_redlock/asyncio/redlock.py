@@ -420,6 +420,11 @@ class Redlock(Lock):
     def _renewer(self) -> Renewer:
         return self._masters.renew
 
+    @property
+    def _inline(self) -> bool:
+        # A fan-out to several masters cannot be handed over mid-flight.
+        return False
+
     def _attempt_value(self, state: TaskState, token: bytes, retry: bool) -> bytes:
         """The value one attempt stores: the token, then ``token|N`` on retries (N from 2 up).
 

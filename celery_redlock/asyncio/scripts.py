@@ -9,8 +9,9 @@ not know the script (after ``SCRIPT FLUSH`` or a restart) gets it once with
 
 from __future__ import annotations
 
+import asyncio
 import select
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -18,7 +19,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from celery_redlock.scripts import Arg, Script
 
-__all__ = ["run_script"]
+__all__ = ["InFlight", "run_script"]
 
 
 async def _checkout(pool: Any) -> Any:
@@ -29,10 +30,44 @@ async def _checkout(pool: Any) -> Any:
         return await pool.get_connection("EVALSHA")
 
 
-async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+class InFlight(Exception):
+    """A cancellation that came while the script was on its way to the server.
+
+    Raised by :func:`run_script` with ``hand_over=True`` instead of
+    ``CancelledError``: the server may run the script whatever the caller
+    does, so the caller must learn what it did before it gives up. ``finish``
+    completes the round trip on the same connection (so nothing sent after it
+    can overtake it; a script the server did not know is sent in full, as it
+    would have been), returns the connection to its pool and returns the reply.
+    """
+
+    def __init__(self, finish: Coroutine[Any, Any, Any]) -> None:
+        super().__init__("cancelled with a script in flight")
+        self.finish = finish
+
+
+async def run_script(
+    script: Script,
+    client: Any,
+    keys: Sequence[Arg],
+    args: Sequence[Arg],
+    *,
+    hand_over: bool = False,
+) -> Any:
     """Run ``script`` on ``client`` (a ``redis.asyncio`` client) and return its reply.
 
+    Args:
+        script: The script.
+        client: A ``redis.asyncio`` client (pooled, single-connection or Cluster).
+        keys: Its KEYS.
+        args: Its ARGV.
+        hand_over: On a cancellation once the script was sent, raise
+            :class:`InFlight` instead of dropping the connection and its reply.
+            Callers that must know what the script did use it to settle in the
+            background only when cancelled, and run inline otherwise.
+
     Raises:
+        InFlight: See ``hand_over``.
         redis.exceptions.RedisError: Whatever the server or connection raises,
             except ``NOSCRIPT``, which is handled here, and a connection error
             that the script's ``resend`` recovers from.
@@ -47,10 +82,12 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
     # Every lock operation comes here: talking to a pooled connection directly
     # skips redis-py's per-command bookkeeping, as the synchronous Script does.
     connection = await _checkout(pool)
+    sent = False
     try:
         if script.check_connection:
             await _reconnect_if_closed(connection)
         try:
+            sent = True
             return await _run(script, connection, keys, args)
         except RedisConnectionError:
             # A pooled connection the server closed fails on first use: try
@@ -64,9 +101,35 @@ async def run_script(script: Script, client: Any, keys: Sequence[Arg], args: Seq
             return await _run(script, connection, keys, resent_args)
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
+    except asyncio.CancelledError:
+        if not (hand_over and sent):
+            await connection.disconnect(nowait=True)
+            raise
+        finish, connection = _finish(script, connection, pool, keys, args), None
+        raise InFlight(finish) from None
     except BaseException:
-        # Anything else (a timeout, a cancellation) may leave a reply unread:
-        # never hand that connection out again.
+        # Anything else (a timeout) may leave a reply unread: never hand that
+        # connection out again.
+        await connection.disconnect(nowait=True)
+        raise
+    finally:
+        if connection is not None:
+            await pool.release(connection)
+
+
+async def _finish(
+    script: Script, connection: Any, pool: Any, keys: Sequence[Arg], args: Sequence[Arg]
+) -> Any:
+    """Complete the round trip a cancelled :func:`run_script` left on ``connection``."""
+    try:
+        try:
+            return await connection.read_response(disconnect_on_error=False)
+        except NoScriptError:
+            await connection.send_command("EVAL", script.source, len(keys), *keys, *args)
+            return await connection.read_response(disconnect_on_error=False)
+    except ResponseError:
+        raise
+    except BaseException:
         await connection.disconnect(nowait=True)
         raise
     finally:
@@ -100,9 +163,11 @@ def _socket_readable(connection: Any) -> bool:
 
 
 async def _run(script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    # The caller disconnects on errors, and a cancelled read must leave its
+    # reply on the connection for _finish.
     await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
     try:
-        return await connection.read_response()
+        return await connection.read_response(disconnect_on_error=False)
     except NoScriptError:
         await connection.send_command("EVAL", script.source, len(keys), *keys, *args)
-        return await connection.read_response()
+        return await connection.read_response(disconnect_on_error=False)

@@ -2,10 +2,13 @@
 
 Cancelling a coroutine while it waits for a Redis reply leaves the command's
 effect unknown: the server may have run it. For the lock that is the difference
-between holding a key and not, so the acquire and release round trips run in
-tasks of their own that a cancellation of the caller does not reach. The caller
-still gets its ``CancelledError``, but only once the round trip (and whatever
-must undo it) has finished, so on return the lock's state is known.
+between holding a key and not, so the acquire and release round trips finish
+in tasks that a cancellation of the caller does not reach: a single server's
+round trip once a cancellation hands it over
+(:class:`~celery_redlock.asyncio.scripts.InFlight`), a Redlock fan-out from the
+start. The caller still gets its ``CancelledError``, but only once the round
+trip (and whatever must undo it) has finished, so on return the lock's state is
+known.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ def test_cancel_during_acquire_leaves_no_lock(arun, redis_server, ttl):
 
     async def scenario(client):
         lock = Lock(client, "cancel-acquire", timeout=ttl)
+        await client.ping()  # connected: the acquire itself is what waits for the server
         redis_server.pause()
         try:
             task = asyncio.ensure_future(lock.acquire(blocking=False))
@@ -49,6 +50,55 @@ def test_cancel_during_acquire_leaves_no_lock(arun, redis_server, ttl):
         assert await client.get("cancel-acquire") is None
         assert lock.token is None
         assert await Lock(client, "cancel-acquire", timeout=10).acquire(blocking=False)
+
+    arun(scenario)
+
+
+def test_cancel_while_connecting_leaves_nothing_held(arun, redis_server):
+    """Cancelled while still connecting, an acquire leaves nothing held.
+
+    Usually nothing was sent. redis-py sometimes swallows a cancellation that
+    comes while it connects and sends the command anyway: the acquire then
+    notices the cancellation it was asked for and gives back what it took.
+    """
+
+    async def scenario(client):
+        lock = Lock(client, "cancel-connecting", timeout=10)
+        redis_server.pause()  # the connection's handshake cannot finish
+        try:
+            task = asyncio.ensure_future(lock.acquire(blocking=False))
+            await in_flight(client)
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.3)
+        finally:
+            redis_server.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await client.get("cancel-connecting") is None
+        assert lock.token is None
+
+    arun(scenario)
+
+
+def test_cancel_before_the_release_is_sent_still_releases(arun, redis_server):
+    """A release cancelled before its command went out is sent whole before CancelledError."""
+
+    async def scenario(client):
+        lock = Lock(client, "cancel-release-early", timeout=None, auto_renew=False)
+        assert await lock.acquire(blocking=False)
+        await client.connection_pool.disconnect()  # the release must connect first
+        redis_server.pause()
+        try:
+            task = asyncio.ensure_future(lock.release())
+            await in_flight(client)
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=0.3)
+            assert not done
+        finally:
+            redis_server.resume()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await client.get("cancel-release-early") is None
 
     arun(scenario)
 
@@ -190,6 +240,7 @@ def test_asyncio_timeout_during_an_acquire_in_flight_becomes_timeout_error(arun,
 
     async def scenario(client):
         lock = Lock(client, "timed", timeout=None)
+        await client.ping()  # connected: the acquire itself is what waits for the server
         redis_server.pause()
         loop = asyncio.get_running_loop()
         # Resume the server a little after the timeout fires, from the loop itself.
