@@ -430,43 +430,34 @@ class Lock(LockSettings):
         if state.renewal is not None:
             state.renewal.cancel()
             state.renewal = None
+        failure: BaseException | None = None
         if self._inline:
             asked = _cancel_requests()
             try:
                 owned = bool(await self._send_release(token))
+                # A cancellation redis-py swallowed while connecting still counts.
+                cancelled = _cancel_requests() > asked
             except (InFlight, asyncio.CancelledError) as stopped:
                 # Cancelled: the release finishes first, from where it was (in
                 # flight), or whole (not sent yet).
-                finish = (
+                deletion = detach(
                     stopped.finish
                     if isinstance(stopped, InFlight)
                     else run_script(RELEASE, self.redis, (self.name,), (token, "0"))
                 )
-                deletion = detach(finish)
                 await settle(deletion)
+                cancelled = True
                 if deletion.cancelled():  # the loop is shutting down under us
                     raise asyncio.CancelledError() from None
-                finishing = deletion.exception()
-                if finishing is None and not _granted(deletion.result()) and lease is not None:
-                    lease.lost = True
-                    lease.loss_reason = "not owned at release"
-                raise asyncio.CancelledError() from None
-            if not owned and lease is not None:
-                lease.lost = True
-                lease.loss_reason = "not owned at release"
-            if _cancel_requests() > asked:
-                raise asyncio.CancelledError()  # one redis-py swallowed while connecting
-            if not owned:
-                raise LockNotOwned(
-                    "Cannot release a lock that's no longer owned", lock_name=self.name
-                )
-            return
-        deletion = detach(self._send_release(token))
-        cancelled = await settle(deletion)
-        if deletion.cancelled():  # the loop is shutting down under us
-            raise asyncio.CancelledError()
-        failure = deletion.exception()
-        owned = failure is None and bool(deletion.result())
+                failure = deletion.exception()
+                owned = failure is None and _granted(deletion.result())
+        else:
+            deletion = detach(self._send_release(token))
+            cancelled = await settle(deletion)
+            if deletion.cancelled():  # the loop is shutting down under us
+                raise asyncio.CancelledError()
+            failure = deletion.exception()
+            owned = failure is None and bool(deletion.result())
         if failure is None and not owned and lease is not None:
             lease.lost = True
             lease.loss_reason = "not owned at release"
