@@ -26,6 +26,26 @@ async def in_flight(client) -> None:
         await asyncio.sleep(0.001)
 
 
+async def cancel_while_paused(redis_server, client, operation, *, finishes_first: bool):
+    """Start ``operation`` with the server paused, cancel it once it is in flight, resume.
+
+    With ``finishes_first`` the operation must still be running 0.3 s after the
+    cancellation (it cannot finish while its reply is outstanding). Returns its
+    task, which the caller awaits.
+    """
+    redis_server.pause()
+    try:
+        task = asyncio.ensure_future(operation)
+        await in_flight(client)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=0.3)
+        if finishes_first:
+            assert not done
+    finally:
+        redis_server.resume()
+    return task
+
+
 @pytest.mark.parametrize("ttl", [None, 10])
 def test_cancel_during_acquire_leaves_no_lock(arun, redis_server, ttl):
     """An acquire cancelled mid-flight waits for its reply and gives back what it took."""
@@ -33,16 +53,8 @@ def test_cancel_during_acquire_leaves_no_lock(arun, redis_server, ttl):
     async def scenario(client):
         lock = Lock(client, "cancel-acquire", timeout=ttl)
         await client.ping()  # connected: the acquire itself is what waits for the server
-        redis_server.pause()
-        try:
-            task = asyncio.ensure_future(lock.acquire(blocking=False))
-            await in_flight(client)
-            task.cancel()
-            # It cannot finish while its reply is outstanding.
-            done, _ = await asyncio.wait({task}, timeout=0.3)
-            assert not done
-        finally:
-            redis_server.resume()
+        operation = lock.acquire(blocking=False)
+        task = await cancel_while_paused(redis_server, client, operation, finishes_first=True)
         with pytest.raises(asyncio.CancelledError):
             await task
         # The acquire did run on the server (it drew a fence), and was undone.
@@ -64,14 +76,9 @@ def test_cancel_while_connecting_leaves_nothing_held(arun, redis_server):
 
     async def scenario(client):
         lock = Lock(client, "cancel-connecting", timeout=10)
-        redis_server.pause()  # the connection's handshake cannot finish
-        try:
-            task = asyncio.ensure_future(lock.acquire(blocking=False))
-            await in_flight(client)
-            task.cancel()
-            await asyncio.wait({task}, timeout=0.3)
-        finally:
-            redis_server.resume()
+        # Not connected yet: the paused server holds up the connection's handshake.
+        operation = lock.acquire(blocking=False)
+        task = await cancel_while_paused(redis_server, client, operation, finishes_first=False)
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await client.get("cancel-connecting") is None
@@ -87,15 +94,7 @@ def test_cancel_before_the_release_is_sent_still_releases(arun, redis_server):
         lock = Lock(client, "cancel-release-early", timeout=None, auto_renew=False)
         assert await lock.acquire(blocking=False)
         await client.connection_pool.disconnect()  # the release must connect first
-        redis_server.pause()
-        try:
-            task = asyncio.ensure_future(lock.release())
-            await in_flight(client)
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=0.3)
-            assert not done
-        finally:
-            redis_server.resume()
+        task = await cancel_while_paused(redis_server, client, lock.release(), finishes_first=True)
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await client.get("cancel-release-early") is None
@@ -109,15 +108,7 @@ def test_cancel_during_release_still_releases(arun, redis_server):
     async def scenario(client):
         lock = Lock(client, "cancel-release", timeout=None, auto_renew=False)
         assert await lock.acquire(blocking=False)
-        redis_server.pause()
-        try:
-            task = asyncio.ensure_future(lock.release())
-            await in_flight(client)
-            task.cancel()
-            done, _ = await asyncio.wait({task}, timeout=0.3)
-            assert not done
-        finally:
-            redis_server.resume()
+        task = await cancel_while_paused(redis_server, client, lock.release(), finishes_first=True)
         with pytest.raises(asyncio.CancelledError):
             await task
         assert await client.get("cancel-release") is None
