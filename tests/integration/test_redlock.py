@@ -129,8 +129,10 @@ def test_a_name_in_use_never_reseeds_its_fences_on_any_master(five):
         lock.release()
         time.sleep(0.02)
     assert fences == sorted(set(fences))
-    # A reseed would jump to the clock in microseconds: far more than one per draw.
-    assert fences[-1] - fences[0] < 10 * len(fences)
+    # A reseed jumps to a master's clock in microseconds, at least the 0.3 s
+    # retention ahead of the first seed. (Masters seeded a little apart, so
+    # the first fences may step by the gap between their seeds.)
+    assert max(b - a for a, b in zip(fences, fences[1:])) < 100_000
 
 
 def test_fence_outlives_the_masters_that_drew_it(five):
