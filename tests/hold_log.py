@@ -9,6 +9,7 @@ a Redis list as ``start:end:holders:fence`` instead.
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -24,6 +25,18 @@ def assert_serial_holds(holds: Sequence[Hold], count: int) -> None:
         assert end <= start, "two holders overlapped"
     fences = [fence for *_, fence in ordered]
     assert fences == sorted(set(fences)), "fences did not rise in hold order"
+
+
+def fences_drawn_for(lock: Any, seconds: float, pause: float = 0.02) -> list[int]:
+    """Take and release ``lock`` every ``pause`` seconds for ``seconds``; return its fences."""
+    fences = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert lock.acquire(blocking=False)
+        fences.append(lock.fence)
+        lock.release()
+        time.sleep(pause)
+    return fences
 
 
 def assert_serial(client: Any, key: str, count: int) -> None:

@@ -15,6 +15,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_redlock import ConfigurationError, SingletonTask, current_lock, install
 from celery_redlock import signals as redlock_signals
 from celery_redlock.bootsteps import RedlockStep, check_lock_store
+from tests.celery_harness import wait_until
 
 
 @pytest.fixture
@@ -134,12 +135,10 @@ def test_an_app_wide_enqueue_mode_keeps_plain_tasks_of_a_locked_queue_locked(app
         first = plain_slow.apply_async((1,), queue="locked")
         assert started.wait(10)
         second = plain_slow.apply_async((1,), queue="locked")
-        wait = threading.Event()
-        for _ in range(100):
-            if second.state == "SKIPPED":
-                break
-            wait.wait(0.05)
-        finish.set()
+        try:
+            wait_until(lambda: second.state == "SKIPPED", 5, message="the duplicate to skip")
+        finally:
+            finish.set()
         assert first.get(timeout=10) == 1
     assert second.state == "SKIPPED"
 

@@ -12,6 +12,7 @@ import redis
 
 from celery_redlock import Lock, LockNotOwned, fence_key_for
 from celery_redlock.scripts import ACQUIRE
+from tests.hold_log import fences_drawn_for
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -111,13 +112,7 @@ def test_a_name_in_use_never_reseeds_its_fences(redis_server):
     """Each acquisition renews the fence key: fences of a busy name are consecutive."""
     client = redis_server.client()
     lock = Lock(client, "busy", timeout=1, fence_retention=0.3)
-    fences = []
-    deadline = time.monotonic() + 1.0  # three times the retention
-    while time.monotonic() < deadline:
-        assert lock.acquire(blocking=False)
-        fences.append(lock.fence)
-        lock.release()
-        time.sleep(0.02)
+    fences = fences_drawn_for(lock, 1.0)  # three times the retention
     assert fences == list(range(fences[0], fences[0] + len(fences)))
     assert 0 < client.pttl(fence_key_for("busy")) <= 300
 

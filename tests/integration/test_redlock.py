@@ -8,6 +8,7 @@ import time
 import pytest
 
 from celery_redlock import LockError, LockNotOwned, QuorumNotAchieved, Redlock, fence_key_for
+from tests.hold_log import fences_drawn_for
 
 
 def lock_values(servers, name):
@@ -121,13 +122,7 @@ def test_a_name_in_use_never_reseeds_its_fences_on_any_master(five):
     """Drawing and writing back a fence renew every master's key: busy names never reseed."""
     clients = [s.client() for s in five]
     lock = Redlock(clients, "busy", timeout=1, fence_retention=0.3)
-    fences = []
-    deadline = time.monotonic() + 1.0  # three times the retention
-    while time.monotonic() < deadline:
-        assert lock.acquire(blocking=False)
-        fences.append(lock.fence)
-        lock.release()
-        time.sleep(0.02)
+    fences = fences_drawn_for(lock, 1.0)  # three times the retention
     assert fences == sorted(set(fences))
     # A reseed jumps to a master's clock in microseconds, at least the 0.3 s
     # retention ahead of the first seed. (Masters seeded a little apart, so
