@@ -29,7 +29,7 @@ from typing import Any
 from celery import Celery
 
 from celery_redlock import SingletonTask, install
-from celery_redlock.holder import Holder
+from celery_redlock.core.holder import Holder
 
 __all__ = ["app", "redlock"]
 

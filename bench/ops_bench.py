@@ -95,8 +95,8 @@ def microbench(repeat: int = 7, number: int = 20000) -> dict[str, float]:
     """
     from celery import Celery
 
-    from celery_redlock import signals, stats
-    from celery_redlock.holder import Holder
+    from celery_redlock.celery import signals, stats
+    from celery_redlock.core.holder import Holder
 
     v1_new = getattr(sys.modules.get("bench.ops_app"), "_new_v1", None)
     v1_encode = getattr(sys.modules.get("bench.ops_app"), "_encode_v1", None)
@@ -150,8 +150,8 @@ def traced_comparison(app: Any, calls: int, repeats: int) -> dict[str, Any]:
     from task_profile import per_call
 
     from bench import ops_app
-    from celery_redlock import signals, stats
-    from celery_redlock.holder import Holder
+    from celery_redlock.celery import signals, stats
+    from celery_redlock.core.holder import Holder
 
     full_new, full_encode = Holder.__dict__["new"], Holder.__dict__["encode"]
     bare_new: Any = classmethod(ops_app._new_v1)

@@ -30,8 +30,8 @@ import redis
 from lock_bench import RAW_RELEASE_LUA, TTL_MS, TTL_SECONDS, private_redis_server
 
 import celery_redlock
-from celery_redlock.lock import Lease
-from celery_redlock.scripts import ACQUIRE, RELEASE
+from celery_redlock.core.lock import Lease
+from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
 TOKEN = secrets.token_hex(16).encode()
 

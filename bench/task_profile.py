@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         from celery.exceptions import Ignore
 
         from celery_redlock import SingletonTask
-        from celery_redlock.guard import guard_for
-        from celery_redlock.renewal import Watchdog, default_watchdog
-        from celery_redlock.scripts import ACQUIRE, RELEASE, Script
+        from celery_redlock.celery.guard import guard_for
+        from celery_redlock.core.renewal import Watchdog, default_watchdog
+        from celery_redlock.core.scripts import ACQUIRE, RELEASE, Script
 
         @app.task(name="bench.profile.ignore")  # type: ignore[untyped-decorator]
         def raises_ignore() -> None:

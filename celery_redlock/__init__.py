@@ -4,27 +4,39 @@ The lock core (:class:`Lock`, :class:`Redlock`, :class:`Lease`, :class:`Watchdog
 Celery and serves any Python program; :class:`SingletonTask` and
 :func:`current_lock` are the Celery integration. :func:`singleton` locks any function,
 ``celery_redlock.rq`` RQ jobs, and ``celery_redlock.asyncio`` has the lock for asyncio.
+
+The names below are loaded on first use, so ``from celery_redlock import Lock``
+imports the lock core only: an RQ or plain-function program never loads Celery.
+The folders show the layers (see docs/architecture.md): ``core`` (the lock),
+``calls`` (the guarded call), ``celery``, ``rq``, ``functions`` and ``asyncio``
+(the integrations) and ``ops`` (the command line).
 """
 
 from __future__ import annotations
 
-from .decorator import singleton
-from .exceptions import (
-    ConfigurationError,
-    DuplicateTask,
-    LockError,
-    LockKeyError,
-    LockNotAcquired,
-    LockNotOwned,
-    QuorumNotAchieved,
-    RedlockError,
-)
-from .guard import SKIPPED, current_lock
-from .install import install
-from .lock import Lease, Lock, fence_key_for
-from .redlock import Redlock, RedlockLease
-from .renewal import Watchdog, default_watchdog
-from .task import SingletonTask
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .calls.context import current_lock
+    from .celery.guard import SKIPPED
+    from .celery.install import install
+    from .celery.task import SingletonTask
+    from .core.exceptions import (
+        ConfigurationError,
+        DuplicateTask,
+        LockError,
+        LockKeyError,
+        LockNotAcquired,
+        LockNotOwned,
+        QuorumNotAchieved,
+        RedlockError,
+    )
+    from .core.lock import Lease, Lock, fence_key_for
+    from .core.redlock import Redlock, RedlockLease
+    from .core.renewal import Watchdog, default_watchdog
+    from .functions.decorator import singleton
 
 __all__ = [
     "SKIPPED",
@@ -51,3 +63,49 @@ __all__ = [
 ]
 
 __version__ = "0.1.0.dev0"
+
+#: Where each public name lives; importing the package loads none of them.
+_HOMES = {
+    "SKIPPED": "celery.guard",
+    "SingletonTask": "celery.task",
+    "install": "celery.install",
+    "current_lock": "calls.context",
+    "singleton": "functions.decorator",
+    "Lease": "core.lock",
+    "Lock": "core.lock",
+    "fence_key_for": "core.lock",
+    "Redlock": "core.redlock",
+    "RedlockLease": "core.redlock",
+    "Watchdog": "core.renewal",
+    "default_watchdog": "core.renewal",
+    **dict.fromkeys(
+        (
+            "ConfigurationError",
+            "DuplicateTask",
+            "LockError",
+            "LockKeyError",
+            "LockNotAcquired",
+            "LockNotOwned",
+            "QuorumNotAchieved",
+            "RedlockError",
+        ),
+        "core.exceptions",
+    ),
+}
+
+# The flat layout's module paths (``celery_redlock.lock`` ...) stay importable,
+# with a warning, from stubs kept out of the package's own folders.
+__path__.append(os.path.join(os.path.dirname(__file__), "_deprecated"))
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'celery_redlock' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -45,7 +45,7 @@ from typing import Any
 import redis
 
 from celery_redlock import SKIPPED, DuplicateTask, Lock
-from celery_redlock.keys import KeyBuilder
+from celery_redlock.core.keys import KeyBuilder
 
 from .journal import Run, read_events, read_runs, running_key, server_time
 from .ledger import balance, record_charge

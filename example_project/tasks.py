@@ -46,7 +46,7 @@ from typing import Any, cast
 from celery import Task
 
 from celery_redlock import SingletonTask, current_lock
-from celery_redlock.signals import lock_contended
+from celery_redlock.celery.signals import lock_contended
 
 from . import journal, ledger
 from .celery_app import PREFIX, app, demo_redis

@@ -30,8 +30,8 @@ from typing import Any, Literal, TypeVar, Union
 
 from redis.exceptions import RedisError
 
-from celery_redlock.exceptions import LockError, LockNotAcquired, LockNotOwned
-from celery_redlock.lock import (
+from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.core.lock import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_FENCE_RETENTION,
     Clock,
@@ -40,7 +40,7 @@ from celery_redlock.lock import (
     LostCallback,
     positive_seconds,
 )
-from celery_redlock.scripts import ACQUIRE, RELEASE, RENEW
+from celery_redlock.core.scripts import ACQUIRE, RELEASE, RENEW
 
 from .renewal import Renewer, keep_alive, renew_on
 from .scripts import InFlight, run_script

@@ -4,7 +4,7 @@ The asyncio counterpart of :class:`celery_redlock.Redlock`, built on
 :class:`celery_redlock.asyncio.Lock` (per-task state, renewal task,
 cancellation safety). Each operation sends its request to every master at once,
 each in a task of its own, and is decided by a majority with the same rule as
-the thread version (:mod:`celery_redlock.quorum`): it returns as soon as a
+the thread version (:mod:`celery_redlock.core.quorum`): it returns as soon as a
 majority agreed, fails as soon as so many masters refused or failed that no
 majority is left, and otherwise waits at most the node timeout.
 
@@ -13,7 +13,7 @@ majority is left, and otherwise waits at most the node timeout.
   counted from before sending. The fence handed out is the largest any master
   drew, raised on the masters that drew less until a majority holds it (the
   ``RAISE_FENCE`` script). A failed attempt raises (in ``async with``)
-  :class:`~celery_redlock.exceptions.QuorumNotAchieved` with each master's reason.
+  :class:`~celery_redlock.core.exceptions.QuorumNotAchieved` with each master's reason.
 - release / extend / reacquire / renewal: compare-and-delete or
   compare-and-``PEXPIRE`` on every master; a majority must agree.
 
@@ -59,20 +59,25 @@ from typing import Any, Callable
 
 import redis.exceptions
 
-from celery_redlock.exceptions import ConfigurationError, LockError, LockNotOwned, QuorumNotAchieved
-from celery_redlock.fanout import NOT_ASKED, PENDING
-from celery_redlock.lock import Lease, Number
-from celery_redlock.nodes import node_address
-from celery_redlock.quorum import Votes, check_node_timeout, lost_vote
-from celery_redlock.redlock import ATTEMPT_SEPARATOR
-from celery_redlock.replies import (
+from celery_redlock.core.exceptions import (
+    ConfigurationError,
+    LockError,
+    LockNotOwned,
+    QuorumNotAchieved,
+)
+from celery_redlock.core.fanout import NOT_ASKED, PENDING
+from celery_redlock.core.lock import Lease, Number
+from celery_redlock.core.nodes import node_address
+from celery_redlock.core.quorum import Votes, check_node_timeout, lost_vote
+from celery_redlock.core.redlock import ATTEMPT_SEPARATOR
+from celery_redlock.core.replies import (
     Holder,
     as_bytes,
     holder_of,
     most_common_holder,
     refusal_of_acquire,
 )
-from celery_redlock.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
+from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
 
 from .lock import Lock, TaskState
 from .renewal import Renewer
@@ -365,8 +370,8 @@ class Redlock(Lock):
     ``sleep`` is the mean pause between attempts (each drawn between half and
     one and a half of it, so contenders stop splitting the vote). As with
     :class:`celery_redlock.Redlock`, an ``async with`` block that cannot take
-    the lock raises :class:`~celery_redlock.exceptions.QuorumNotAchieved`
-    (not :class:`~celery_redlock.exceptions.LockNotAcquired`), whose ``errors``
+    the lock raises :class:`~celery_redlock.core.exceptions.QuorumNotAchieved`
+    (not :class:`~celery_redlock.core.exceptions.LockNotAcquired`), whose ``errors``
     give each master's reason and ``holder`` the value most masters hold.
 
     Args:

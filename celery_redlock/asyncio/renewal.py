@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
-from celery_redlock.lock import Lease
-from celery_redlock.scripts import RENEW
+from celery_redlock.core.lock import Lease
+from celery_redlock.core.scripts import RENEW
 
 from .scripts import run_script
 

@@ -1,7 +1,7 @@
 """A griffe extension that lets the API reference read the package's docstrings as written.
 
 The docstrings are meant for ``help()`` and editors as much as for the site:
-they use Sphinx roles (``:class:`~celery_redlock.conf.LockOptions```) and
+they use Sphinx roles (``:class:`~celery_redlock.calls.options.LockOptions```) and
 document module constants with ``#:`` comments, as Celery and redis-py do.
 MkDocs renders Markdown, so this extension, loaded by ``mkdocs.yml``:
 

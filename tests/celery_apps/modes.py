@@ -22,8 +22,9 @@ from celery import Celery, Task
 from celery import signals as celery_signals
 from celery.exceptions import Reject
 
-from celery_redlock import SingletonTask, current_lock, signals
-from celery_redlock.conf import MODES
+from celery_redlock import SingletonTask, current_lock
+from celery_redlock.calls.options import MODES
+from celery_redlock.celery import signals
 from tests.celery_harness import UnlockedLease, record_execution, wait_for_gate
 
 __all__ = [

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import celery_redlock
-from celery_redlock import conf
-from celery_redlock.install import worker_option
-from celery_redlock.task import SingletonTask
+from celery_redlock.calls import options as conf
+from celery_redlock.celery.install import worker_option
+from celery_redlock.celery.task import SingletonTask
 
 PACKAGE = Path(celery_redlock.__file__).resolve().parent
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

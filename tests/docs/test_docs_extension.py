@@ -22,9 +22,12 @@ spec.loader.exec_module(ext)
     ("text", "expected"),
     [
         (":class:`celery_redlock.Lock`", "`celery_redlock.Lock`"),
-        (":class:`~celery_redlock.conf.LockOptions`", "`LockOptions`"),
+        (":class:`~celery_redlock.calls.options.LockOptions`", "`LockOptions`"),
         (":py:func:`current_lock`", "`current_lock`"),
-        (":data:`the key spec <celery_redlock.keys.KeySpec>`", "`celery_redlock.keys.KeySpec`"),
+        (
+            ":data:`the key spec <celery_redlock.core.keys.KeySpec>`",
+            "`celery_redlock.core.keys.KeySpec`",
+        ),
         ("see :meth:`~Lock.release` and :attr:`fence`.", "see `release` and `fence`."),
         ("plain ``code`` stays", "plain ``code`` stays"),
     ],

@@ -77,10 +77,10 @@ OBJECTS = list(public_objects())
 def test_the_walk_reaches_the_public_api():
     """The walk sees modules, classes, functions and methods, so it cannot pass empty."""
     names = {name for name, _, _ in OBJECTS}
-    assert "celery_redlock.task.SingletonTask.lock_key_for" in names
-    assert "celery_redlock.lock.Lock.acquire" in names
-    assert "celery_redlock.context.current_lock" in names
-    assert "celery_redlock.renewal" in names
+    assert "celery_redlock.celery.task.SingletonTask.lock_key_for" in names
+    assert "celery_redlock.core.lock.Lock.acquire" in names
+    assert "celery_redlock.calls.context.current_lock" in names
+    assert "celery_redlock.core.renewal" in names
 
 
 @pytest.mark.parametrize(("name", "obj", "module"), OBJECTS, ids=[n for n, _, _ in OBJECTS])

@@ -14,10 +14,10 @@ import redis
 from celery import Celery
 
 from celery_redlock import ConfigurationError, DuplicateTask, SingletonTask, current_lock
-from celery_redlock.enqueue import RESERVATION_HEADER, reservation_key
-from celery_redlock.holder import Holder
-from celery_redlock.lock import fence_key_for
-from celery_redlock.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+from celery_redlock.celery.enqueue import RESERVATION_HEADER, reservation_key
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.lock import fence_key_for
+from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
 
 MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
 

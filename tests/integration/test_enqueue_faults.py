@@ -23,11 +23,11 @@ from celery import signals as celery_signals
 from celery.contrib.testing.worker import start_worker
 
 from celery_redlock import ConfigurationError, LockError, SingletonTask
-from celery_redlock import signals as redlock_signals
-from celery_redlock.bootsteps import prepare_worker
-from celery_redlock.enqueue import RESERVATION_HEADER, cancel_key, reservation_key
-from celery_redlock.guard import REQUEUES_HEADER
-from celery_redlock.scripts import CANCEL_RESERVE, RESERVE
+from celery_redlock.celery import signals as redlock_signals
+from celery_redlock.celery.bootsteps import prepare_worker
+from celery_redlock.celery.enqueue import RESERVATION_HEADER, cancel_key, reservation_key
+from celery_redlock.celery.guard import REQUEUES_HEADER
+from celery_redlock.core.scripts import CANCEL_RESERVE, RESERVE
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redlock import ConfigurationError, SingletonTask, current_lock, install
-from celery_redlock import signals as redlock_signals
-from celery_redlock.bootsteps import RedlockStep, check_lock_store
+from celery_redlock.celery import signals as redlock_signals
+from celery_redlock.celery.bootsteps import RedlockStep, check_lock_store
 from tests.celery_harness import wait_until
 
 
@@ -204,7 +204,7 @@ def test_installed_worker_logs_its_locked_queues(app):
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("celery_redlock.bootsteps")
+    logger = logging.getLogger("celery_redlock.celery.bootsteps")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:

@@ -16,10 +16,10 @@ import redis
 from redis.cluster import RedisCluster
 
 from celery_redlock import Lock
-from celery_redlock.holder import Holder
-from celery_redlock.inventory import find_locks
-from celery_redlock.keys import KeyBuilder
-from celery_redlock.recovery import recover_stale
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.inventory import find_locks
+from celery_redlock.core.keys import KeyBuilder
+from celery_redlock.core.recovery import recover_stale
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_redlock import Lock, LockNotOwned, fence_key_for
-from celery_redlock.scripts import ACQUIRE
+from celery_redlock.core.scripts import ACQUIRE
 from tests.hold_log import fences_drawn_for
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"

@@ -11,10 +11,10 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redlock.cli import redlock
-from celery_redlock.holder import Holder
-from celery_redlock.keys import KeyBuilder
-from celery_redlock.store import store_for
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.keys import KeyBuilder
+from celery_redlock.core.store import store_for
+from celery_redlock.ops.cli import redlock
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from celery_redlock import Redlock
-from celery_redlock.holder import Holder
+from celery_redlock.core.holder import Holder
 from tests.fault_proxy import DelayProxy
 from tests.integration.test_redlock import wait_until, warm
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_redlock.store import LockStore, parse_store
+from celery_redlock.core.store import LockStore, parse_store
 
 
 @pytest.mark.timeout(30)

@@ -19,8 +19,8 @@ from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 
 from celery_redlock import SKIPPED, LockError, LockNotAcquired, SingletonTask, current_lock
-from celery_redlock import signals as redlock_signals
-from celery_redlock.guard import requeues_of
+from celery_redlock.celery import signals as redlock_signals
+from celery_redlock.celery.guard import requeues_of
 
 
 @pytest.fixture
@@ -445,7 +445,7 @@ def test_a_store_refusing_the_lock_command_is_not_called_unreachable(make_app, l
     try:
         with (
             worker(app),
-            caplog.at_level("WARNING", logger="celery_redlock.guard"),
+            caplog.at_level("WARNING", logger="celery_redlock.celery.guard"),
             pytest.raises(LockError, match="refused the lock command") as failed,
         ):
             guarded.delay().get(timeout=10)

@@ -16,10 +16,10 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redlock import SKIPPED, SingletonTask, current_lock
-from celery_redlock.bootsteps import check_lock_store
-from celery_redlock.lock import fence_key_for
-from celery_redlock.renewal import Watchdog
-from celery_redlock.store import LockStore, parse_store
+from celery_redlock.celery.bootsteps import check_lock_store
+from celery_redlock.core.lock import fence_key_for
+from celery_redlock.core.renewal import Watchdog
+from celery_redlock.core.store import LockStore, parse_store
 from tests.redis_topologies import LocalCluster, wait_until
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_redlock import LockNotOwned
-from celery_redlock.store import LockStore, parse_store
+from celery_redlock.core.store import LockStore, parse_store
 from tests.redis_topologies import MASTER_NAME, LocalSentinel, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]

@@ -27,9 +27,9 @@ from celery_redlock import (
     current_lock,
     install,
 )
-from celery_redlock.bootsteps import check_lock_store
-from celery_redlock.holder import Holder
-from celery_redlock.store import store_for
+from celery_redlock.celery.bootsteps import check_lock_store
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.store import store_for
 from tests.redis_topologies import MASTER_NAME, LocalSentinel
 
 pytestmark = pytest.mark.slow

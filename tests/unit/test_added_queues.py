@@ -9,8 +9,8 @@ import pytest
 from celery import Celery
 from kombu import Exchange, Queue
 
-from celery_redlock.added_queues import AddedQueuesStep, queue_to_add, refusal
-from celery_redlock.queues import QueueLocks, register
+from celery_redlock.celery.added_queues import AddedQueuesStep, queue_to_add, refusal
+from celery_redlock.celery.queues import QueueLocks, register
 
 
 def app_with_queues(*queues: Queue) -> Celery:
@@ -133,7 +133,7 @@ def test_the_step_refuses_a_bad_addition_with_an_error_and_passes_a_good_one(cap
     step = AddedQueuesStep(consumer)
     step.start(consumer)
     step.start(consumer)  # again after a lost connection: checked once
-    with caplog.at_level(logging.INFO, logger="celery_redlock.added_queues"):
+    with caplog.at_level(logging.INFO, logger="celery_redlock.celery.added_queues"):
         consumer.add_task_queue("reports", "other", "direct", "rk")
         assert consumer.calls == []
         assert "not consuming from queue 'reports'" in caplog.text

@@ -6,8 +6,14 @@ import pytest
 from celery.app.task import Context
 
 from celery_redlock import ConfigurationError
-from celery_redlock.conf import LockOptions, lock_url, resolve, validate_settings
-from celery_redlock.guard import REQUEUES_HEADER, SELF_HEADER, TaskGuard, requeue_delay, requeues_of
+from celery_redlock.calls.options import LockOptions, lock_url, resolve, validate_settings
+from celery_redlock.celery.guard import (
+    REQUEUES_HEADER,
+    SELF_HEADER,
+    TaskGuard,
+    requeue_delay,
+    requeues_of,
+)
 
 
 class FakeTask:
@@ -109,7 +115,7 @@ def test_requeue_jitter_takes_off_at_most_its_share():
 
 def test_flag_settings_accept_only_bools():
     """redlock_recover_stale / redlock_stats: a bool or unset; anything else names the setting."""
-    from celery_redlock.conf import flag
+    from celery_redlock.calls.options import flag
 
     assert flag({}, "redlock_stats", True) is True
     assert flag({"redlock_recover_stale": False}, "redlock_recover_stale", True) is False

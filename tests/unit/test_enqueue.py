@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_redlock import ConfigurationError
-from celery_redlock.conf import MODES, LockOptions, check_settings, resolve
-from celery_redlock.enqueue import is_canvas, publish_delay, reservation_key
+from celery_redlock.calls.options import MODES, LockOptions, check_settings, resolve
+from celery_redlock.celery.enqueue import is_canvas, publish_delay, reservation_key
 
 
 class FakeTask:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from celery_redlock.holder import Holder, queue_of
+from celery_redlock.core.holder import Holder, queue_of
 
 
 def test_holder_round_trips_and_tokens_are_unique():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from celery_redlock.holder import Holder
-from celery_redlock.inventory import LockInfo, lock_pattern, parse_key
-from celery_redlock.keys import KeyBuilder
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.inventory import LockInfo, lock_pattern, parse_key
+from celery_redlock.core.keys import KeyBuilder
 
 
 def _key(prefix: str = "redlock", task: str = "app.sync") -> str:

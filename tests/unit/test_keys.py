@@ -15,7 +15,7 @@ from kombu.utils.json import loads as kombu_loads
 from redis.crc import key_slot
 
 from celery_redlock import ConfigurationError, LockKeyError, fence_key_for
-from celery_redlock.keys import KEY_VERSION, KeyBuilder, canonical_json
+from celery_redlock.core.keys import KEY_VERSION, KeyBuilder, canonical_json
 
 
 def report(account, day, fmt="pdf", *, notify=False):

@@ -55,11 +55,11 @@ def _closure(name: str) -> set[str]:
 @pytest.mark.parametrize(
     "name",
     [
-        "celery_redlock.context",
-        "celery_redlock.decorator",
-        "celery_redlock.lock",
-        "celery_redlock.redlock",
-        "celery_redlock.asyncio.call",
+        "celery_redlock.calls.context",
+        "celery_redlock.functions.decorator",
+        "celery_redlock.core.lock",
+        "celery_redlock.core.redlock",
+        "celery_redlock.functions.coroutine",
         "celery_redlock.asyncio.redlock",
     ],
 )
@@ -67,13 +67,13 @@ def test_framework_free_modules_never_reach_celery(name):
     """The lock core, the decorator and the asyncio lock import neither Celery nor the guard."""
     reached = _closure(name)
     assert not {m for m in reached if m == "celery" or m.startswith("celery.")}
-    assert "celery_redlock.guard" not in reached
+    assert "celery_redlock.celery.guard" not in reached
 
 
 def test_the_walk_finds_celery_where_it_is():
     """The task module reaches Celery and the guard, so the check above can fail."""
-    reached = _closure("celery_redlock.task")
-    assert "celery_redlock.guard" in reached
+    reached = _closure("celery_redlock.celery.task")
+    assert "celery_redlock.celery.guard" in reached
     assert any(m.startswith("celery.") for m in reached)
 
 
@@ -82,7 +82,7 @@ def test_integrations_import_no_private_name():
     offenders = []
     for name, path in MODULES.items():
         if not name.startswith(
-            ("celery_redlock.decorator", "celery_redlock.rq", "celery_redlock.asyncio")
+            ("celery_redlock.functions.decorator", "celery_redlock.rq", "celery_redlock.asyncio")
         ):
             continue
         for module, names in _imports(path):
@@ -98,7 +98,7 @@ def test_no_module_sets_the_context_variable_directly():
         name
         for name, path in MODULES.items()
         for module, names in _imports(path)
-        if module == "celery_redlock.context" and "_current" in names
+        if module == "celery_redlock.calls.context" and "_current" in names
     ]
     assert importers == []
 
@@ -106,6 +106,7 @@ def test_no_module_sets_the_context_variable_directly():
 def test_current_lock_is_one_function_under_every_name():
     """celery_redlock.current_lock, guard.current_lock and context.current_lock are the same."""
     import celery_redlock
-    from celery_redlock import context, guard
+    from celery_redlock.calls import context
+    from celery_redlock.celery import guard
 
     assert celery_redlock.current_lock is guard.current_lock is context.current_lock

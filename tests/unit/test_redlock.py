@@ -17,7 +17,7 @@ from celery_redlock import (
     Redlock,
     Watchdog,
 )
-from celery_redlock.quorum import Votes, default_node_timeout
+from celery_redlock.core.quorum import Votes, default_node_timeout
 
 OFFLINE = ["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"]
 
@@ -237,8 +237,8 @@ def test_watchdog_drops_a_spanning_lease_found_not_owned(watchdog_and_clock):
 def test_a_template_packs_exactly_what_redis_py_packs(command, slot, script, token):
     """Pre-packed acquire/release bytes equal redis-py's packing of the same command,
     by SHA and with the script's source alike."""
-    from celery_redlock.nodes import Node, Template
-    from celery_redlock.scripts import ACQUIRE
+    from celery_redlock.core.nodes import Node, Template
+    from celery_redlock.core.scripts import ACQUIRE
 
     conn = redis.Connection()
     node = Node("n", 1.0, connection_class=redis.Connection, kwargs={})

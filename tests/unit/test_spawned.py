@@ -12,8 +12,8 @@ from celery.concurrency.prefork import TaskPool
 from celery.concurrency.solo import TaskPool as SoloPool
 from kombu import Exchange, Queue
 
-from celery_redlock import spawned
-from celery_redlock.stats import disable, disabled_because, enable, table_for
+from celery_redlock.celery import spawned
+from celery_redlock.celery.stats import disable, disabled_because, enable, table_for
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from celery_redlock.stats import COUNTERS, OTHER_TASKS, StatsTable
+from celery_redlock.celery.stats import COUNTERS, OTHER_TASKS, StatsTable
 
 
 def test_counts_per_task_and_unknown_tasks_share_a_row():
@@ -76,7 +76,7 @@ def test_lock_signals_land_in_their_counters():
     """Each lock signal of a task adds to its counter; a release of a lost lock is not counted."""
     from celery import Celery
 
-    from celery_redlock import signals, stats
+    from celery_redlock.celery import signals, stats
 
     app = Celery("stats-signals", set_as_current=False)
 

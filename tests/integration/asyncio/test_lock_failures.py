@@ -17,7 +17,7 @@ import redis.asyncio
 from celery_redlock import LockNotOwned, fence_key_for
 from celery_redlock.asyncio import Lock
 from celery_redlock.asyncio.scripts import run_script
-from celery_redlock.scripts import ACQUIRE
+from celery_redlock.core.scripts import ACQUIRE
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 

@@ -17,8 +17,8 @@ import redis.exceptions
 
 from celery_redlock.asyncio import Redlock, drain
 from celery_redlock.asyncio.redlock import MAX_PENDING
-from celery_redlock.holder import Holder
-from celery_redlock.scripts import RELEASE
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.scripts import RELEASE
 from tests.integration.asyncio.test_redlock import eventually, no_key, run_on
 
 

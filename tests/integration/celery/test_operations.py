@@ -24,7 +24,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redlock.cli import redlock
+from celery_redlock.ops.cli import redlock
 from tests.celery_harness import REPO_ROOT, CeleryWorker, WorkerError, task_states, wait_until
 from tests.integration.celery.conftest import WorkerFactory
 

@@ -14,7 +14,7 @@ import redis
 from celery import Celery
 
 from celery_redlock import SKIPPED
-from celery_redlock.keys import KeyBuilder
+from celery_redlock.core.keys import KeyBuilder
 from tests.celery_harness import History, wait_until
 from tests.integration.celery.conftest import APP_MODULE, WorkerFactory
 from tests.integration.celery.test_storms import submit, wait_for_states

@@ -9,7 +9,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_redlock.bootsteps import SPAWN_STATS_WARNING
+from celery_redlock.celery.bootsteps import SPAWN_STATS_WARNING
 from tests.celery_harness import CeleryWorker, History
 from tests.integration.celery.conftest import WorkerFactory
 from tests.integration.celery.test_queues import assert_duplicates_skipped

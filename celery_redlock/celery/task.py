@@ -1,0 +1,140 @@
+"""``SingletonTask``: a Celery task base class whose calls never run twice at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from celery import Task
+
+from celery_redlock.calls.options import check_mode_store, lock_url, resolve, validate_settings
+from celery_redlock.core.keys import KeyBuilder, KeySpec
+
+from .guard import called_inside, guard_for, guarding
+from .queues import locked_queue
+
+__all__ = ["SingletonTask"]
+
+
+class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
+    """A task that takes a Redis lock keyed by its arguments before it runs.
+
+    Use it as ``@app.task(base=SingletonTask)``. Options are task attributes,
+    settable in the decorator; ``None`` means "use the app setting
+    ``redlock_<name>``, else the default" (see :class:`celery_redlock.calls.options.LockOptions`).
+
+    Attributes:
+        lock_ttl: Lock time to live in seconds; renewed while the task runs.
+        lock_key: ``None`` (all arguments), argument names, or ``(args, kwargs) -> str``.
+        lock_on_conflict: ``"skip"``, ``"requeue"`` or ``"raise"``.
+        lock_on_redis_error: ``"requeue"``, ``"run"`` or ``"raise"``.
+        lock_requeue_delay: First requeue delay in seconds.
+        lock_requeue_max_delay: Largest requeue delay in seconds.
+        lock_requeue_jitter: Share of each requeue delay drawn at random.
+        lock_max_requeues: Most requeues before the task fails.
+        lock_key_prefix: Prefix of the lock keys.
+        lock_mode: When the lock is held: ``"while_executing"``,
+            ``"until_executing"``, ``"until_executed"`` or
+            ``"until_and_while_executing"`` (see docs/modes.md).
+        lock_on_duplicate: In an enqueue mode, what ``apply_async`` does when a
+            copy is already enqueued: ``"return_existing"`` or ``"raise"``.
+        lock_enqueue_ttl: Seconds an enqueue lock lasts beyond the countdown/eta.
+    """
+
+    lock_ttl: ClassVar[float | None] = None
+    lock_key: ClassVar[KeySpec] = None
+    lock_on_conflict: ClassVar[str | None] = None
+    lock_on_redis_error: ClassVar[str | None] = None
+    lock_requeue_delay: ClassVar[float | None] = None
+    lock_requeue_max_delay: ClassVar[float | None] = None
+    lock_requeue_jitter: ClassVar[float | None] = None
+    lock_max_requeues: ClassVar[int | None] = None
+    lock_key_prefix: ClassVar[str | None] = None
+    lock_mode: ClassVar[str | None] = None
+    lock_on_duplicate: ClassVar[str | None] = None
+    lock_enqueue_ttl: ClassVar[float | None] = None
+
+    # Per-queue locking must not wrap this task's body: it locks itself, once.
+    __redlock_guarded__: ClassVar[bool] = True
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Validate the lock options when the task is bound, so bad values fail early.
+
+        This runs when the app is finalized: at worker start and before the
+        first publish. It also connects the signal handler that releases the
+        lock of a task killed by ``revoke(terminate=True, signal="SIGKILL")``.
+
+        Raises:
+            ConfigurationError: Naming the setting or task attribute at fault.
+        """
+        super().on_bound(app)
+        if cls.name is None:  # an abstract base class, not a task
+            return
+        from . import hooks
+
+        hooks.connect()
+        conf = app.conf
+        validate_settings(conf)
+        options = resolve(cls, conf)
+        lock_url(conf)
+        mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"
+        check_mode_store(mode_from, options, conf)
+        KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task under its lock; a direct call (``task(...)``) runs it plainly."""
+        request = self.request
+        if request.called_directly or called_inside(request):
+            return super().__call__(*args, **kwargs)
+        body: Callable[[], Any] = lambda: super(SingletonTask, self).__call__(*args, **kwargs)  # noqa: E731
+        # From a locked queue, that queue's options apply (below the task's own).
+        found = locked_queue(self)
+        guard = guard_for(self) if found is None else guard_for(self, *found)
+        with guarding(request):
+            return guard.run(args, kwargs, body)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the task; in an enqueue mode, reserve its key first.
+
+        ``while_executing`` publishes exactly as Celery does, with no Redis
+        command. The enqueue modes are described in
+        :func:`celery_redlock.celery.enqueue.apply_async`.
+
+        Raises:
+            DuplicateTask: A copy is already enqueued and ``lock_on_duplicate``
+                is ``"raise"``, or the call belongs to a canvas.
+            LockError: The lock store is unreachable and ``lock_on_redis_error``
+                is not ``"run"``.
+        """
+        guard = guard_for(self)
+        if guard.options.mode == "while_executing":
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        from . import enqueue
+
+        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+
+        def publish(args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> Any:
+            return super(SingletonTask, self).apply_async(args, kwargs, task_id, **options)
+
+        return enqueue.apply_async(guard, publish, args, kwargs, task_id, options)
+
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
+        """Return the lock key a call with these arguments would take.
+
+        Raises:
+            LockKeyError: If the arguments cannot make a key.
+        """
+        return guard_for(self).keys.key_for(args, kwargs)

@@ -1,0 +1,179 @@
+"""The value stored in a task's lock: a random token plus who holds it, and since when.
+
+Carrying the holder in the value costs nothing extra (it is written by the
+acquire that happens anyway) and lets a refused duplicate, and an operator
+listing the locks, see which task, worker and process hold a lock, since
+when and for how long a TTL. The random part keeps every value unique, so
+compare-and-delete never matches a lock taken by another acquisition.
+
+Two formats exist; :meth:`Holder.parse` reads both, :meth:`Holder.encode`
+writes the newer one::
+
+    v1|token|task_id|node|pid
+    v2|token|task_id|node|pid|acquired_ms|ttl_ms|host|queue
+
+A :class:`~celery_redlock.core.redlock.Redlock` that retries stores ``|N`` after
+the value on its ``N``-th attempt; :meth:`Holder.parse` reads past it.
+
+``node`` is the worker's node name (``celery@host`` or whatever ``-n`` gave),
+``host`` the machine's host name, ``acquired_ms`` the holder's wall clock at
+acquisition in Unix milliseconds, ``ttl_ms`` the lock's TTL (0: none) and
+``queue`` the queue the task came from (empty when unknown).
+
+Within a field ``%`` is written ``%25`` and ``|`` is written ``%7C``, so a task
+id, node or queue holding either reads back unchanged, and a value whose
+fields hold neither is exactly the plain join. Versions before this escape
+wrote ``_`` for ``|``; their values still parse, with the ``_`` kept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Holder", "queue_of"]
+
+_FORMAT = "v2"
+_OLD_FORMAT = "v1"
+_SEPARATOR = "|"
+_HOST = socket.gethostname()
+_ESCAPED = re.compile("%25|%7C")
+
+
+def _escape(field: str) -> str:
+    # "%" first, so the "%" that escapes the separator is not escaped again.
+    return field.replace("%", "%25").replace(_SEPARATOR, "%7C")
+
+
+def _unescape(field: str) -> str:
+    # One pass, reading only the two sequences _escape writes: "%257C" is a
+    # literal "%7C", and any other "%" (say "%20", in a value written before
+    # the escape existed) stays as written. Only an old value that spelt "%25"
+    # or "%7C" literally reads differently than it was meant.
+    return _ESCAPED.sub(lambda match: "%" if match.group() == "%25" else _SEPARATOR, field)
+
+
+def queue_of(delivery_info: Mapping[str, Any] | None) -> str | None:
+    """Return the queue a delivery came from, when its route names it.
+
+    With Celery's default direct routing a message is published to the
+    anonymous exchange with the queue's name as routing key; other routes do
+    not tell the queue, and ``None`` is returned.
+    """
+    if not delivery_info or delivery_info.get("exchange") not in ("", None):
+        return None
+    key = delivery_info.get("routing_key")
+    return key if isinstance(key, str) and key else None
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock.
+
+    Attributes:
+        task_id: The id of the holding task.
+        hostname: The worker node name (or host name) of the holder.
+        pid: The holding process.
+        token: The random part of the value.
+        acquired_ms: Wall-clock time of the acquisition, Unix milliseconds
+            (``None`` in values of the ``v1`` format).
+        ttl_ms: The lock's TTL in milliseconds, 0 for none (``None`` in ``v1``).
+        host: The machine the holder runs on (``None`` in ``v1``).
+        queue: The queue the holding task came from, if known.
+    """
+
+    task_id: str
+    hostname: str
+    pid: int
+    token: str
+    acquired_ms: int | None = None
+    ttl_ms: int | None = None
+    host: str | None = None
+    queue: str | None = None
+
+    @classmethod
+    def new(
+        cls,
+        task_id: str,
+        hostname: str | None = None,
+        *,
+        ttl: float | None = None,
+        queue: str | None = None,
+    ) -> Holder:
+        """Describe the current process taking a lock for ``task_id`` now.
+
+        Args:
+            task_id: The holding task's id.
+            hostname: The worker node name; the host name when not given.
+            ttl: The lock's TTL in seconds (``None``: no expiry).
+            queue: The queue the task came from, if known.
+        """
+        return cls(
+            task_id=task_id,
+            hostname=hostname or _HOST,
+            pid=os.getpid(),
+            token=secrets.token_hex(16),
+            acquired_ms=int(time.time() * 1000),
+            ttl_ms=int(ttl * 1000) if ttl else 0,
+            host=_HOST,
+            queue=queue,
+        )
+
+    def encode(self) -> str:
+        """Return the value to store under the lock key (format ``v2``)."""
+        fields = (
+            _FORMAT,
+            self.token,
+            self.task_id,
+            self.hostname,
+            str(self.pid),
+            str(self.acquired_ms or 0),
+            str(self.ttl_ms or 0),
+            self.host or "",
+            self.queue or "",
+        )
+        return _SEPARATOR.join(_escape(field) for field in fields)
+
+    @staticmethod
+    def fragment(task_id: str, hostname: str) -> str:
+        """Return the part of every value written for ``task_id`` on worker ``hostname``."""
+        return f"{_SEPARATOR}{_escape(task_id)}{_SEPARATOR}{_escape(hostname)}{_SEPARATOR}"
+
+    @classmethod
+    def parse(cls, value: str | bytes | None) -> Holder | None:
+        """Read a stored value (``v1`` or ``v2``); ``None`` for values neither format wrote."""
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if not value:
+            return None
+        fields = [_unescape(field) for field in value.split(_SEPARATOR)]
+        if len(fields) == 10 and fields[0] == _FORMAT and fields[9].isdigit():
+            # A later attempt of a Redlock acquisition stores "value|N"
+            # (redlock.ATTEMPT_SEPARATOR): the holder is the same.
+            del fields[9]
+        if len(fields) == 5 and fields[0] == _OLD_FORMAT and fields[4].isdigit():
+            _, token, task_id, hostname, pid = fields
+            return cls(task_id=task_id, hostname=hostname, pid=int(pid), token=token)
+        if (
+            len(fields) != 9
+            or fields[0] != _FORMAT
+            or not all(field.isdigit() for field in fields[4:7])
+        ):
+            return None
+        _, token, task_id, hostname, pid, acquired_ms, ttl_ms, host, queue = fields
+        return cls(
+            task_id=task_id,
+            hostname=hostname,
+            pid=int(pid),
+            token=token,
+            acquired_ms=int(acquired_ms),
+            ttl_ms=int(ttl_ms),
+            host=host or None,
+            queue=queue or None,
+        )

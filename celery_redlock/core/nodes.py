@@ -1,0 +1,549 @@
+"""How Redlock reaches one master: its connections, and commands in its wire format.
+
+Internal to :mod:`celery_redlock.core.redlock`. A :class:`Node` keeps private
+connections to one master, with socket timeouts bounded by the node timeout and
+no client-side retries. Connections are opened on a process-wide thread pool
+(created on first use and again after ``fork()``), so a master that hangs
+while connecting costs the caller nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+from redis.retry import Retry
+
+from .scripts import RELEASE, Arg, Script
+
+__all__ = ["Connected", "Master", "Node", "Request", "Template", "bounded_client", "node_for"]
+
+#: A master as given to Redlock: a ``redis.Redis`` client or a ``redis://`` URL.
+Master = Union[str, Any]
+
+#: Idle connections kept per master; more are closed when returned.
+MAX_IDLE = 16
+#: Background jobs (connects, or commands on clients that cannot be polled) a
+#: master may have at once. A hung master thus ties up a few pool threads, and
+#: further requests to it fail at once instead of queueing behind them.
+MAX_JOBS = 4
+#: Most replies a parked connection may owe for a request to be pipelined behind them.
+MAX_OWED = 4
+#: Threads of the process-wide pool that connects to masters.
+POOL_THREADS = 32
+# -- process-wide state, reset in a forked child -----------------------------------
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_executor_guard = threading.Lock()
+# Connections opened before a fork share their sockets with the parent: a child
+# must never use them. Nodes compare their generation with this one.
+_generation = 0
+
+
+def _background() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        with _executor_guard:
+            if _executor is None:
+                _executor = concurrent.futures.ThreadPoolExecutor(
+                    POOL_THREADS, thread_name_prefix="celery-redlock-io"
+                )
+    return _executor
+
+
+def _after_fork_in_child() -> None:
+    global _executor, _executor_guard, _generation, _registry_guard
+    # The parent's pool threads do not exist in the child; shutting the pool down
+    # would wait for them. Drop it, and every connection made before the fork.
+    # Locks another thread held at the fork would stay held forever: new ones.
+    _executor = None
+    _executor_guard = threading.Lock()
+    _registry_guard = threading.Lock()
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _bounded_kwargs(pool: Any, timeout: float) -> dict[str, Any] | None:
+    """Return ``pool``'s connection options with socket timeouts of at most ``timeout``.
+
+    Client-side retries are turned off too: the caller decides what to do after a
+    failure, within its own deadline, whereas redis-py's retries would multiply
+    the timeout. ``None`` means the pool is of a kind this function does not know
+    how to clone (Sentinel, Cluster, ...), so its client has to be used as it is.
+    """
+    if pool is None or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return None
+    kwargs = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        # Per-pool machinery of recent redis-py versions, bound to the original pool.
+        if not key.startswith(("maint_notifications", "orig_"))
+    }
+    for option in ("socket_timeout", "socket_connect_timeout"):
+        current = kwargs.get(option)
+        kwargs[option] = timeout if current is None else min(current, timeout)
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    return kwargs
+
+
+def bounded_client(client: Any, timeout: float, max_connections: int | None = None) -> Any:
+    """Return a client on ``client``'s server with bounded timeouts and no retries.
+
+    The copy has a pool of its own, so it keeps working when the application has
+    used up its pool's connections. A client whose pool cannot be cloned
+    (Sentinel, Cluster) is returned as it is.
+    """
+    pool = getattr(client, "connection_pool", None)
+    kwargs = _bounded_kwargs(pool, timeout)
+    if pool is None or kwargs is None:
+        return client
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, max_connections=max_connections, **kwargs
+        )
+    )
+
+
+# -- requests ------------------------------------------------------------------------
+
+
+#: How one master encodes strings: (encoding, errors), as its connections do.
+Encoding = tuple[str, str]
+#: What a request's wire format depends on: the encoding, and whether a script
+#: goes with its source (EVAL) or by its SHA (EVALSHA).
+PackingKey = tuple[Encoding, bool]
+
+
+def _bulk(arg: Arg, encoding: Encoding) -> bytes:
+    """One argument as a RESP bulk string, encoded as redis-py's ``Encoder`` does."""
+    if isinstance(arg, bytes):
+        data = arg
+    elif isinstance(arg, str):
+        data = arg.encode(*encoding)
+    elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        data = repr(arg).encode()
+    else:
+        raise TypeError(f"cannot send {type(arg).__name__} {arg!r} to Redis")
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class Template:
+    """A command sent again and again with one argument changing (the token), packed once.
+
+    Packing a command argument by argument costs more client CPU than sending
+    it; a lock sends the same acquire and release with a new token each time,
+    so the bytes around the token are packed once per encoding.
+
+    Args:
+        command: The command; whatever is at ``slot`` is replaced by each value.
+        slot: Where the changing argument goes (not the command name).
+        script: The script the command runs (by ``EVALSHA`` or ``EVAL``), as
+            for :class:`Request`.
+    """
+
+    __slots__ = ("_parts", "command", "script", "slot")
+
+    def __init__(self, command: tuple[Arg, ...], slot: int, script: Script | None = None) -> None:
+        if not 0 < slot < len(command):
+            raise ValueError(f"slot {slot} is not an argument of {command!r}")
+        self.command = command
+        self.slot = slot
+        self.script = script
+        # PackingKey -> (bytes before the value, bytes after it)
+        self._parts: dict[PackingKey, tuple[bytes, bytes]] = {}
+
+    def request(self, value: bytes) -> Request:
+        """The command with ``value`` at the slot."""
+        slot = self.slot
+        command = (*self.command[:slot], value, *self.command[slot + 1 :])
+        return Request(command, self.script, self)
+
+    def pack(self, key: PackingKey, value: bytes) -> bytes:
+        """The command with ``value`` in its wire format for ``key``."""
+        parts = self._parts.get(key)
+        if parts is None:
+            encoding, source = key
+            command = _with_source(self.command, self.script) if source else self.command
+            bulks = [_bulk(arg, encoding) for arg in command]
+            # Computed again by a thread that races here: same bytes either way.
+            parts = self._parts[key] = (
+                b"*%d\r\n" % len(command) + b"".join(bulks[: self.slot]),
+                b"".join(bulks[self.slot + 1 :]),
+            )
+        return b"%s$%d\r\n%s\r\n%s" % (parts[0], len(value), value, parts[1])
+
+
+def _with_source(command: tuple[Arg, ...], script: Script | None) -> tuple[Arg, ...]:
+    # EVALSHA <sha> ... -> EVAL <source> ...: every other argument keeps its place.
+    if script is None:
+        return command
+    return ("EVAL", script.source, *command[2:])
+
+
+class Request:
+    """One command for one master: a script call (EVALSHA, EVAL on NOSCRIPT) or plain."""
+
+    __slots__ = ("_packed", "command", "script", "template")
+
+    def __init__(
+        self,
+        command: tuple[Arg, ...],
+        script: Script | None = None,
+        template: Template | None = None,
+    ) -> None:
+        self.command = command
+        # The script the command runs, by EVALSHA (resent as EVAL on NOSCRIPT)
+        # or EVAL; its ``resend`` says how to send it again after a lost reply.
+        self.script = script
+        # The template this request was made from, whose packed parts it reuses.
+        self.template = template
+        self._packed: dict[PackingKey, Any] = {}
+
+    def packed(self, conn: Any, node: Node) -> Any:
+        """Return the command in ``conn``'s wire format: packed once per round, not per master.
+
+        A script goes with its source to a master that has not shown it knows
+        the script: a NOSCRIPT that arrives after the vote is decided is never
+        read, and the request would be dropped without anyone knowing.
+        """
+        source = self.script is not None and self.script.sha not in node.scripts
+        key = (node.encoding, source)
+        found = self._packed.get(key)
+        if found is None:
+            template = self.template
+            if template is not None:
+                value = self.command[template.slot]
+                assert isinstance(value, bytes)
+                found = [template.pack(key, value)]
+            else:
+                command = self.with_source() if source else self.command
+                found = conn.pack_command(*command)
+            self._packed[key] = found
+        return found
+
+    @classmethod
+    def run(cls, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
+        """A script call by SHA, resent with its source where the master lacks it."""
+        return cls(("EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    @classmethod
+    def release(cls, name: str, token: bytes) -> Request:
+        """The compare-and-delete of ``token``, always sent with its source.
+
+        A release must run even when nobody reads its reply (a master that
+        answers after the vote was decided), and an unread NOSCRIPT would drop
+        it silently. The script is short, so EVAL costs next to nothing more.
+        """
+        return cls(("EVAL", RELEASE.source, 1, name, token, "0"), RELEASE)
+
+    def resent(self) -> Request | None:
+        """The request to send again after a connection error, or ``None`` if it must not be.
+
+        The first send may have run and only its reply been lost, so a script
+        goes again as its ``resend`` says (see :class:`~celery_redlock.core.scripts.Script`);
+        any other command goes again as it is.
+        """
+        script = self.script
+        if script is None:
+            return self
+        first_arg = 3 + int(self.command[2])
+        args = self.command[first_arg:]
+        again = script.resend(args)
+        if again is None:
+            return None
+        if again is args:
+            return self
+        return Request((*self.command[:first_arg], *again), script)
+
+    @property
+    def key(self) -> Arg | None:
+        """The first key the command names (the lock's), or ``None``."""
+        command = self.command
+        if command[0] in ("EVAL", "EVALSHA"):
+            return command[3] if len(command) > 3 and int(command[2]) > 0 else None
+        return command[1] if len(command) > 1 else None
+
+    def with_source(self) -> tuple[Arg, ...]:
+        """Return the command as EVAL.
+
+        For a master that lost its script cache, or a request nobody will read
+        the answer of (so a NOSCRIPT would go unseen).
+        """
+        return _with_source(self.command, self.script)
+
+    def call(self, client: Any) -> Any:
+        """Run the request through a redis-py client (for masters that cannot be polled)."""
+        try:
+            return client.execute_command(*self.command)
+        except NoScriptError:
+            return client.execute_command(*self.with_source())
+
+
+class Connected:
+    """A background job's result: a new connection, with nothing sent on it yet."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+
+# -- masters -------------------------------------------------------------------------
+
+
+def node_address(kwargs: Mapping[str, Any]) -> str:
+    """A master's name in errors: ``host:port/db``, or ``unix://path?db=N``."""
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+
+
+def server_address(kwargs: Mapping[str, Any]) -> str:
+    """The server a master's connections reach, whatever the database: ``host:port`` or a path."""
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def _pollable(pool: Any, kwargs: dict[str, Any]) -> bool:
+    # Plain TCP and unix-socket connections speaking RESP2 without client-side
+    # caching: a readable socket then means a whole reply is on its way. TLS can
+    # signal readability for records that hold no reply, and RESP3 can carry
+    # push messages, so those go through their client on the thread pool.
+    cls = pool.connection_class
+    return (
+        issubclass(cls, (redis.Connection, redis.UnixDomainSocketConnection))
+        and not issubclass(cls, redis.SSLConnection)
+        and str(kwargs.get("protocol") or 2) == "2"
+        and getattr(pool, "cache", None) is None
+    )
+
+
+class Node:
+    """One master: a name for error reports, and the connections used to reach it.
+
+    Connections are private to Redlock, with socket timeouts bounded by the node
+    timeout and no client-side retries. An idle connection has nothing left to
+    read. A parked one still owes replies to requests nobody waited for; it is
+    read when next needed, and closed once it has owed them for the node
+    timeout. A reserved parked connection carries an acquire that a lease may
+    have to release: the release goes behind it on the same connection (see
+    :meth:`claim`), because a master runs one connection's commands in order
+    but may interleave two connections' any way.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        *,
+        client: Any = None,
+        connection_class: Any = None,
+        kwargs: dict[str, Any] | None = None,
+        server: str | None = None,
+    ) -> None:
+        self.name = name
+        # The server itself, without the database: two databases of one server
+        # are one master, whose failure takes both.
+        self.server = name if server is None else server
+        self.timeout = timeout
+        # Either a client to run requests through on the thread pool, or what it
+        # takes to open pollable connections (replies are parsed here, as bytes).
+        self.client = client
+        self.pollable = connection_class is not None
+        self._connection_class = connection_class
+        self._kwargs = {**(kwargs or {}), "decode_responses": False}
+        self.encoding = (
+            self._kwargs.get("encoding", "utf-8"),
+            self._kwargs.get("encoding_errors", "strict"),
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        self._generation = _generation
+        self._guard = threading.Lock()
+        # SHAs of the scripts this master has run for us since it last failed;
+        # others are sent with their source. (A set: atomic under the GIL.)
+        self.scripts: set[str] = set()
+        self._idle: list[Any] = []
+        # connection -> (replies owed, when to give up on them, reserved)
+        self._parked: dict[Any, tuple[int, float, bool]] = {}
+        self._jobs = 0
+        # Key -> the latest job run through the client for it (masters that
+        # cannot be polled): the next one for that key waits for it to end.
+        self._chains: dict[Any, concurrent.futures.Future[Any]] = {}
+
+    def checkout(self) -> tuple[Any, int] | None:
+        """Return a connection and how many replies it owes before the next one.
+
+        ``None`` means there is no connection at hand: open one with :meth:`start`.
+        An idle connection is not probed first (that would cost a system call a
+        master and round): a stale one fails, and the round retries on a new one.
+        """
+        if self._generation != _generation:
+            self._reset()
+        if not self._parked:
+            # The common case, without the lock: list.pop() is atomic.
+            try:
+                return self._idle.pop(), 0
+            except IndexError:
+                return None
+        with self._guard:
+            if self._idle:
+                return self._idle.pop(), 0
+            # Pipelining behind replies still on their way beats opening a
+            # connection. Connections that have owed replies too long are closed.
+            now = time.monotonic()
+            found = None
+            for conn, (owed, give_up, reserved) in list(self._parked.items()):
+                if give_up <= now:
+                    del self._parked[conn]
+                    conn.disconnect()
+                elif found is None and not reserved and owed <= MAX_OWED:
+                    del self._parked[conn]
+                    found = (conn, owed)
+            return found
+
+    def _after_fork(self) -> None:
+        # In a forked child the parent's connections are dropped, not closed
+        # (closing would shut the parent's sockets down), and the lock, which
+        # another thread may have held at the fork, is replaced. The child runs
+        # one thread until it starts more, so this check needs no lock.
+        if self._generation != _generation:
+            self._reset()
+
+    def claim(self, conn: Any) -> int | None:
+        """Take back a parked connection; return what it owes, ``None`` if it is gone."""
+        self._after_fork()
+        with self._guard:
+            entry = self._parked.pop(conn, None)
+        return None if entry is None else entry[0]
+
+    def checkin(self, conn: Any) -> None:
+        """Take back a connection with nothing left to read."""
+        # Without the lock (list operations are atomic): two threads checking
+        # in at once may keep one connection over MAX_IDLE, which is harmless.
+        idle = self._idle
+        if len(idle) < MAX_IDLE:
+            idle.append(conn)
+            return
+        conn.disconnect()
+
+    def park(
+        self, conn: Any, owed: int, give_up: float | None = None, reserved: bool = False
+    ) -> None:
+        """Keep a connection that still owes ``owed`` replies until ``give_up``."""
+        if give_up is None:
+            give_up = time.monotonic() + self.timeout
+        with self._guard:
+            self._parked[conn] = (owed, give_up, reserved)
+
+    def start(self, request: Request) -> concurrent.futures.Future[Any]:
+        """Open a connection from the thread pool, or run ``request`` there through the client.
+
+        The connection comes back unused: the caller sends on it, so a request
+        nobody waits for any more is never sent (see :meth:`Round.finish`).
+
+        Through a client, each request runs on whichever of the client's
+        connections is free, and the master may run two requests of two
+        connections in either order: a release could run before the acquire it
+        undoes, which would then hold the key for its whole TTL (for ever
+        without one). So a request for a key starts only once the job of the
+        previous request for that key has ended, as the asyncio Redlock chains
+        its requests per key.
+
+        Raises:
+            redis.exceptions.ConnectionError: If this master already has
+                ``MAX_JOBS`` jobs running or waiting: it is not answering.
+        """
+        self._after_fork()
+        key = None if self.pollable else request.key
+        with self._guard:
+            if self._jobs >= MAX_JOBS:
+                raise redis.ConnectionError(f"{MAX_JOBS} connection attempts still pending")
+            generation = self._generation
+            previous = None if key is None else self._chains.get(key)
+            # Submitted under the lock, so that two threads chain in one order.
+            job = _background().submit(self._job, request, previous)
+            self._jobs += 1
+            if key is not None:
+                self._chains[key] = job
+        job.add_done_callback(lambda _: self._job_done(generation, key, job))
+        return job
+
+    def _job_done(self, generation: int, key: Any, job: concurrent.futures.Future[Any]) -> None:
+        with self._guard:
+            if generation == self._generation:
+                self._jobs -= 1
+                if key is not None and self._chains.get(key) is job:
+                    del self._chains[key]
+
+    def _job(self, request: Request, previous: concurrent.futures.Future[Any] | None) -> Any:
+        if not self.pollable:
+            if previous is not None:
+                # Submitted earlier to the same (first in, first out) pool, it
+                # is running already: this waits at most for its socket timeout.
+                concurrent.futures.wait((previous,))
+            return request.call(self.client)
+        conn = self._connection_class(**self._kwargs)
+        conn.connect()
+        return Connected(conn)
+
+    def __repr__(self) -> str:
+        return f"<Node {self.name}>"
+
+
+_registry_guard = threading.Lock()
+# Nodes are shared by every Redlock on the same pool (or URL) and node timeout,
+# so short-lived Redlock objects reuse connections. A node keeps no reference to
+# the pool, so the weak key can go when the application drops its client.
+_nodes: weakref.WeakKeyDictionary[Any, dict[float, Node]] = weakref.WeakKeyDictionary()
+_url_pools: dict[str, Any] = {}
+
+
+def node_for(master: Master, timeout: float) -> Node:
+    """Return the node of ``master`` (a client or URL) for this node timeout.
+
+    Clients whose connections can be polled share one node per pool; others get
+    a node of their own that runs requests through the client on the thread pool.
+    """
+    with _registry_guard:
+        if isinstance(master, str):
+            pool = _url_pools.get(master)
+            if pool is None:
+                pool = _url_pools[master] = redis.ConnectionPool.from_url(master)
+            client: Any = redis.Redis(connection_pool=pool)
+        else:
+            client = master
+            pool = getattr(master, "connection_pool", None)
+        kwargs = _bounded_kwargs(pool, timeout)
+        if pool is None or kwargs is None or not _pollable(pool, kwargs):
+            # Used through a client on the thread pool; not shared, since such a
+            # node has to keep its client alive.
+            if kwargs is None:
+                name = server = repr(client)
+            else:
+                name, server = node_address(kwargs), server_address(kwargs)
+            return Node(name, timeout, client=bounded_client(client, timeout), server=server)
+        by_timeout = _nodes.setdefault(pool, {})
+        node = by_timeout.get(timeout)
+        if node is None:
+            node = by_timeout[timeout] = Node(
+                node_address(kwargs),
+                timeout,
+                connection_class=pool.connection_class,
+                kwargs=kwargs,
+                server=server_address(kwargs),
+            )
+        return node

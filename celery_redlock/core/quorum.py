@@ -1,0 +1,225 @@
+"""Majority arithmetic of Redlock: votes, the masters of one lock, and node timeouts.
+
+Used by :mod:`celery_redlock.core.redlock`; the asyncio Redlock shares :class:`Votes`,
+:func:`lost_vote` and the node timeout rules. A majority is more than half of the
+masters; a vote is decided as soon as a majority agreed, or as soon as too few
+masters are left to make one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
+from .fanout import NOT_ASKED, PENDING, Round, Settle
+from .nodes import Node, Request
+
+__all__ = [
+    "NODE_TIMEOUT_MAX",
+    "NODE_TIMEOUT_MIN",
+    "Masters",
+    "Votes",
+    "check_node_timeout",
+    "default_node_timeout",
+    "lost_vote",
+]
+
+#: Least default node timeout in seconds (the default is a tenth of the TTL).
+NODE_TIMEOUT_MIN = 0.05
+#: Greatest default node timeout in seconds.
+NODE_TIMEOUT_MAX = 1.0
+
+
+def default_node_timeout(ttl: float | None) -> float:
+    """A tenth of the TTL, within 50 ms and 1 s, and never more than half the TTL."""
+    if ttl is None:
+        return NODE_TIMEOUT_MAX
+    return min(max(ttl / 10, NODE_TIMEOUT_MIN), NODE_TIMEOUT_MAX, ttl / 2)
+
+
+def check_node_timeout(node_timeout: object, ttl: float | None) -> float:
+    """Validate a Redlock's ``node_timeout`` in seconds (``None``: the default for ``ttl``).
+
+    Raises:
+        ConfigurationError: If it is not a positive number below the TTL.
+    """
+    if node_timeout is None:
+        return default_node_timeout(ttl)
+    if isinstance(node_timeout, bool) or not isinstance(node_timeout, (int, float)):
+        raise ConfigurationError("node_timeout", node_timeout, "must be a number of seconds")
+    if node_timeout <= 0 or (ttl is not None and node_timeout >= ttl):
+        raise ConfigurationError(
+            "node_timeout", node_timeout, "must be positive and shorter than the timeout"
+        )
+    return float(node_timeout)
+
+
+class Votes:
+    """A majority vote among ``size`` masters."""
+
+    __slots__ = ("failed", "granted", "needed", "refused", "size")
+
+    def __init__(self, size: int, granted: int = 0) -> None:
+        self.size = size
+        self.needed = size // 2 + 1
+        self.granted = granted
+        self.refused = 0
+        self.failed = 0
+
+    @property
+    def won(self) -> bool:
+        """A majority agreed."""
+        return self.granted >= self.needed
+
+    @property
+    def refused_by_majority(self) -> bool:
+        """Enough masters answered no that no majority can say yes, whatever the rest do."""
+        return self.refused > self.size - self.needed
+
+    def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
+        """A ``settle`` callback for :meth:`Round.collect` that counts votes."""
+        # Decided once a majority agreed, or once too few are left to make one.
+        needed = self.needed
+        spare = self.size - needed
+
+        def count(i: int, outcome: Any) -> bool:
+            if isinstance(outcome, BaseException):
+                self.failed += 1
+            elif agrees(i, outcome):
+                self.granted += 1
+                return self.granted >= needed
+            else:
+                self.refused += 1
+            return self.granted >= needed or self.refused + self.failed > spare
+
+        return count
+
+
+class Masters:
+    """The masters of one Redlock, asked all at once."""
+
+    __slots__ = ("nodes", "quorum", "timeout")
+
+    def __init__(self, nodes: Sequence[Node], timeout: float) -> None:
+        self.nodes = tuple(nodes)
+        self.timeout = timeout
+        self.quorum = len(self.nodes) // 2 + 1
+
+    @contextlib.contextmanager
+    def ask(
+        self, request: Request | Sequence[Request | None], claims: dict[int, Any] | None = None
+    ) -> Iterator[Round]:
+        """Send ``request`` (or one request per master) to every master at once.
+
+        Leaving the block parks the connections whose replies were not awaited,
+        so that they are read before the connection is reused.
+        """
+        round_ = self.send(request, claims)
+        try:
+            yield round_
+        finally:
+            round_.finish()
+
+    def send(
+        self, request: Request | Sequence[Request | None], claims: dict[int, Any] | None = None
+    ) -> Round:
+        """Send ``request`` (or one request per master) to every master at once.
+
+        What :meth:`ask` does, for callers that call :meth:`Round.finish`
+        themselves (in a ``finally``).
+        """
+        requests = [request] * len(self.nodes) if isinstance(request, Request) else request
+        return Round(self.nodes, requests, claims, self.timeout)
+
+    def vote(
+        self,
+        request: Request,
+        agrees: Callable[[int, Any], bool],
+        claims: dict[int, Any] | None = None,
+    ) -> tuple[Round, Votes]:
+        """Send ``request`` to every master and count until a majority is won or lost."""
+        votes = Votes(len(self.nodes))
+        round_ = self.send(request, claims)
+        try:
+            round_.collect(votes.settle(agrees))
+        finally:
+            round_.finish()
+        return round_, votes
+
+    def fire(self, request: Request) -> None:
+        """Send ``request`` to every master without waiting for the answers."""
+        self.send(request).finish()
+
+    def failure(
+        self,
+        message: str,
+        lock_name: str,
+        round_: Round,
+        votes: Votes,
+        refusal: Callable[[Any], LockError | None],
+    ) -> QuorumNotAchieved:
+        """Describe a lost vote: what each master that did not agree answered."""
+        return lost_vote(
+            message,
+            lock_name,
+            [node.name for node in self.nodes],
+            round_.outcomes,
+            votes,
+            refusal,
+            self.timeout,
+            round_.expired,
+        )
+
+
+def lost_vote(
+    message: str,
+    lock_name: str,
+    names: Sequence[str],
+    outcomes: Sequence[Any],
+    votes: Votes,
+    refusal: Callable[[Any], LockError | None],
+    node_timeout: float,
+    expired: bool,
+) -> QuorumNotAchieved:
+    """Describe a lost vote: what each master that did not agree answered.
+
+    Args:
+        message: What failed, e.g. ``"Lock x not acquired"``.
+        lock_name: The lock's key.
+        names: The masters' names, in the order of ``outcomes``.
+        outcomes: Each master's reply, error, ``PENDING`` or ``NOT_ASKED``.
+        votes: The count.
+        refusal: Turns a reply into the reason it did not agree, or ``None``.
+        node_timeout: The node timeout in seconds, named for masters still pending.
+        expired: Whether the wait ended at the node timeout rather than at a
+            lost vote, which is what a pending master's error then says.
+    """
+    errors: dict[str, BaseException] = {}
+    for name, outcome in zip(names, outcomes):
+        if outcome is NOT_ASKED:
+            continue
+        if outcome is PENDING:
+            errors[name] = RedisTimeoutError(
+                f"no answer within the node timeout ({node_timeout * 1000:.0f} ms)"
+                if expired
+                else "not awaited: the vote was lost before it answered"
+            )
+        elif isinstance(outcome, BaseException):
+            errors[name] = outcome
+        else:
+            refused = refusal(outcome)
+            if refused is not None:
+                errors[name] = refused
+    details = "; ".join(f"{name}: {error}" for name, error in errors.items())
+    return QuorumNotAchieved(
+        f"{message}: {votes.granted} of {len(names)} masters agreed, "
+        f"{votes.needed} needed" + (f" ({details})" if details else ""),
+        lock_name=lock_name,
+        errors=errors,
+        granted=votes.granted,
+        needed=votes.needed,
+    )

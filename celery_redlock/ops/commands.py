@@ -1,0 +1,369 @@
+"""The operator commands of ``celery redlock``: list, show, release, purge and stats.
+
+They read the lock store with ``SCAN`` (see :mod:`celery_redlock.core.inventory`)
+and ask workers over Celery's remote control; none of them needs a worker of
+its own. Every deletion is a compare-and-delete of the value just read, so a
+lock that changed hands in between is never deleted by mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import click
+from celery.bin.base import CeleryCommand
+
+from celery_redlock.celery.control import STATS_COMMAND
+from celery_redlock.celery.stats import COUNTERS
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.inventory import LockInfo, clients_of, find_locks, read_locks
+from celery_redlock.core.recovery import lock_prefixes, pid_alive
+from celery_redlock.core.scripts import RELEASE
+from celery_redlock.core.store import store_for
+
+__all__ = ["COMMANDS", "Liveness", "holder_liveness"]
+
+#: Seconds a remote-control request waits for replies, unless ``--timeout`` says otherwise.
+DEFAULT_TIMEOUT = 1.0
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(message, err=True)
+    sys.exit(code)
+
+
+def _when(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    moment = datetime.fromtimestamp(seconds, timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _ttl(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds:.1f}s"
+
+
+def _dump(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _prefixes(app: Any, given: Sequence[str]) -> list[str]:
+    return list(given) or lock_prefixes(app)
+
+
+def _clients(app: Any) -> list[Any]:
+    return clients_of(store_for(app))
+
+
+def _find(
+    app: Any, prefixes: Sequence[str], task: str | None = None, queue: str | None = None
+) -> list[LockInfo]:
+    # On Redlock each master holds its own copy of a lock: list each key once.
+    found: dict[str, LockInfo] = {}
+    for client in _clients(app):
+        for info in find_locks(client, prefixes, task, queue):
+            found.setdefault(info.key, info)
+    return sorted(found.values(), key=lambda info: (info.task, info.key))
+
+
+def _delete(app: Any, info: LockInfo) -> bool:
+    """Compare-and-delete ``info``'s value on every master; ``True`` if any held it."""
+    return sum(int(RELEASE(client, (info.key,), (info.value, "0"))) for client in _clients(app)) > 0
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+prefix_option = click.option(
+    "--prefix",
+    "prefixes",
+    multiple=True,
+    help="Key prefix to scan (repeatable); default: every prefix the app's settings and tasks use.",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+timeout_option = click.option(
+    "--timeout",
+    type=float,
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds to wait for workers' replies.",
+)
+
+
+@click.command(name="list", cls=CeleryCommand)
+@click.option("--task", default=None, help="Only locks of this task name.")
+@click.option("--queue", default=None, help="Only locks taken by tasks from this queue.")
+@prefix_option
+@json_option
+@click.pass_context
+def list_locks(
+    ctx: click.Context,
+    /,
+    task: str | None,
+    queue: str | None,
+    prefixes: tuple[str, ...],
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """List the held task locks: holder, worker, acquired at, TTL left, renewals, fence."""
+    app = _app(ctx)
+    locks = _find(app, _prefixes(app, prefixes), task, queue)
+    if as_json:
+        _dump([info.as_dict() for info in locks])
+        return
+    if not locks:
+        click.echo("no locks held")
+        return
+    rows = [["TASK", "HOLDER", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWALS", "FENCE", "KEY"]]
+    for info in locks:
+        holder = info.holder
+        rows.append(
+            [
+                info.task,
+                holder.task_id if holder else "?",
+                holder.hostname if holder else "?",
+                str(holder.pid) if holder else "?",
+                _when(info.acquired_at),
+                _ttl(info.ttl),
+                "-" if info.renewals is None else str(info.renewals),
+                "-" if info.fence is None else str(info.fence),
+                info.key,
+            ]
+        )
+    _table(rows)
+    click.echo(f"{len(locks)} lock(s)")
+
+
+def _describe(info: LockInfo) -> list[tuple[str, str]]:
+    holder = info.holder
+    lines = [("key", info.key), ("task", info.task)]
+    if holder is None:
+        lines.append(("value", f"{info.value} (not written by celery-redlock)"))
+    else:
+        lines += [
+            ("holder task id", holder.task_id),
+            ("worker node", holder.hostname),
+            ("host", holder.host or "-"),
+            ("pid", str(holder.pid)),
+            ("queue", holder.queue or "-"),
+            ("acquired at", f"{_when(info.acquired_at)} UTC" if info.acquired_at else "-"),
+            ("lock ttl", "-" if holder.ttl_ms is None else _ttl(holder.ttl_ms / 1000)),
+        ]
+    renewed = info.renewed_at
+    lines += [
+        ("ttl left", _ttl(info.ttl)),
+        ("renewals", "-" if info.renewals is None else str(info.renewals)),
+        ("last renewed", f"{_when(renewed)} UTC" if renewed else "-"),
+        ("fence", "-" if info.fence is None else str(info.fence)),
+    ]
+    return lines
+
+
+def _read_one(app: Any, key: str) -> LockInfo:
+    for client in _clients(app):
+        found = read_locks(client, [key])
+        if found:
+            return found[0]
+    _fail(f"no task lock at {key}")
+
+
+@click.command(name="show", cls=CeleryCommand)
+@click.argument("key")
+@json_option
+@click.pass_context
+def show(ctx: click.Context, /, key: str, as_json: bool, **kwargs: Any) -> None:
+    """Show one lock in full; exit 1 if KEY holds no task lock."""
+    info = _read_one(_app(ctx), key)
+    if as_json:
+        _dump(info.as_dict())
+        return
+    lines = _describe(info)
+    width = max(len(label) for label, _ in lines)
+    for label, value in lines:
+        click.echo(f"{label.ljust(width)}  {value}")
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Whether a lock's holder is alive, and how that was found out.
+
+    Attributes:
+        alive: ``True`` (alive), ``False`` (gone) or ``None`` (cannot tell).
+        reason: One sentence saying what was checked.
+    """
+
+    alive: bool | None
+    reason: str
+
+
+def holder_liveness(app: Any, holder: Holder | None, timeout: float) -> Liveness:
+    """Find out whether ``holder``'s worker is alive.
+
+    The holder's worker node is pinged by remote control (that node only).
+    A node that does not answer may still have a process running the task
+    (an orphaned pool process, a worker busy past the timeout): on the same
+    host the holder's pid is checked as well.
+    """
+    if holder is None:
+        return Liveness(None, "the value does not name a celery-redlock holder")
+    node = holder.hostname
+    try:
+        replies = app.control.ping(destination=[node], timeout=timeout)
+    except Exception as exc:
+        return Liveness(None, f"could not ping worker {node}: {exc!r}")
+    if any(node in reply for reply in replies or ()):
+        return Liveness(True, f"worker {node} answers ping")
+    silent = f"worker {node} did not answer a ping within {timeout:g}s"
+    if holder.host is not None and holder.host == socket.gethostname():
+        if pid_alive(holder.pid):
+            return Liveness(True, f"{silent}, but pid {holder.pid} still runs on this host")
+        return Liveness(False, f"{silent} and pid {holder.pid} is not running on this host")
+    where = f"host {holder.host}" if holder.host else "an unrecorded host"
+    return Liveness(False, f"{silent} (pid {holder.pid} on {where} cannot be checked from here)")
+
+
+@click.command(name="release", cls=CeleryCommand)
+@click.argument("key")
+@click.option("--force", is_flag=True, help="Release even if the holder's worker is alive.")
+@timeout_option
+@click.pass_context
+def release(ctx: click.Context, /, key: str, force: bool, timeout: float, **kwargs: Any) -> None:
+    """Release KEY if its holder's worker is gone (pinged, and pid checked on this host).
+
+    Refuses, with exit code 1, when the holder is alive or its state cannot be
+    told, unless --force. The deletion is a compare-and-delete of the value read.
+    """
+    app = _app(ctx)
+    info = _read_one(app, key)
+    holder = info.holder
+    who = f"task {holder.task_id} on {holder.hostname}" if holder else "an unknown holder"
+    liveness = holder_liveness(app, holder, timeout)
+    if liveness.alive is not False and not force:
+        state = "is alive" if liveness.alive else "may be alive"
+        _fail(
+            f"refused: {key} is held by {who}, which {state} ({liveness.reason}); "
+            "use --force to release it anyway"
+        )
+    if not _delete(app, info):
+        _fail(f"{key} changed hands or expired meanwhile; nothing deleted")
+    forced = " (forced)" if liveness.alive is not False else ""
+    click.echo(f"released {key}{forced}: it was held by {who}; {liveness.reason}")
+
+
+@click.command(name="purge", cls=CeleryCommand)
+@click.option("--task", default=None, help="Delete the locks of this task name.")
+@click.option("--all", "everything", is_flag=True, help="Delete every task lock.")
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@prefix_option
+@click.pass_context
+def purge(
+    ctx: click.Context,
+    /,
+    task: str | None,
+    everything: bool,
+    dry_run: bool,
+    yes: bool,
+    prefixes: tuple[str, ...],
+    **kwargs: Any,
+) -> None:
+    """Delete the task locks of one task (--task) or all of them (--all), held or not.
+
+    Live holders are not spared: their tasks go on running without a lock.
+    Fence counters stay, so fences keep increasing.
+    """
+    if (task is None) == (not everything):
+        raise click.UsageError("give exactly one of --task NAME or --all")
+    app = _app(ctx)
+    locks = _find(app, _prefixes(app, prefixes), task)
+    verb = "would delete" if dry_run else "deleting"
+    for info in locks:
+        holder = info.holder
+        who = f"{holder.task_id} on {holder.hostname}" if holder else "?"
+        click.echo(f"{verb} {info.key} (held by {who}, ttl {_ttl(info.ttl)})")
+    if dry_run:
+        click.echo(f"dry run: {len(locks)} lock(s) would be deleted; nothing was deleted")
+        return
+    if not locks:
+        click.echo("no locks to delete")
+        return
+    if not yes:
+        click.confirm(f"delete {len(locks)} lock(s)?", abort=True)
+    deleted = sum(int(_delete(app, info)) for info in locks)
+    changed = len(locks) - deleted
+    tail = f"; {changed} had changed hands or expired and were left" if changed else ""
+    click.echo(f"deleted {deleted} lock(s){tail}")
+
+
+def _sum_stats(replies: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    totals: dict[str, dict[str, int]] = {}
+    for reply in replies:
+        for task, counts in (reply.get("tasks") or {}).items():
+            row = totals.setdefault(task, dict.fromkeys(COUNTERS, 0))
+            for name in COUNTERS:
+                row[name] += int(counts.get(name, 0))
+    return totals
+
+
+@click.command(name="stats", cls=CeleryCommand)
+@click.option(
+    "--destination",
+    "-d",
+    "destinations",
+    multiple=True,
+    help="Ask only this worker node (repeatable); default: every live worker.",
+)
+@timeout_option
+@json_option
+@click.pass_context
+def stats(
+    ctx: click.Context,
+    /,
+    destinations: tuple[str, ...],
+    timeout: float,
+    as_json: bool,
+    **kwargs: Any,
+) -> None:
+    """Per-task lock counts of every live worker since it started, summed over workers."""
+    app = _app(ctx)
+    replies = app.control.broadcast(
+        STATS_COMMAND, reply=True, timeout=timeout, destination=list(destinations) or None
+    )
+    by_node: dict[str, dict[str, Any]] = {}
+    for reply in replies or ():
+        by_node.update(reply)
+    counting = {node: r for node, r in by_node.items() if isinstance(r, dict) and "tasks" in r}
+    silent = {node: r for node, r in by_node.items() if node not in counting}
+    totals = _sum_stats(counting.values())
+    if as_json:
+        _dump({"workers": by_node, "totals": totals})
+        return
+    if not by_node:
+        _fail(f"no worker answered within {timeout:g}s")
+    click.echo(f"workers: {', '.join(sorted(counting)) or '(none counting)'}")
+    for node, reply in sorted(silent.items()):
+        click.echo(f"{node}: {reply.get('error') if isinstance(reply, dict) else reply}")
+    if not totals:
+        click.echo("no lock activity yet")
+        return
+    rows = [["TASK", *(name.upper() for name in COUNTERS)]]
+    for task in sorted(totals):
+        rows.append([task, *(str(totals[task][name]) for name in COUNTERS)])
+    _table(rows)
+
+
+#: The commands, in the order ``celery redlock --help`` lists them.
+COMMANDS = (list_locks, show, release, purge, stats)

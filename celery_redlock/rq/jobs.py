@@ -1,0 +1,403 @@
+"""RQ integration: an execution lock for job functions, and enqueue-time deduplication.
+
+RQ's own ``job_id`` uniqueness only covers enqueueing while the job's hash
+exists; it takes no lock while a job runs, renews nothing and has no fence. Here:
+
+* :func:`singleton_job` wraps a job function so that each run holds a lock keyed
+  by its arguments (the same keys as the Celery task and :func:`singleton`),
+  renewed while it runs. A duplicate run is skipped, fails with
+  :class:`LockNotAcquired`, or is requeued through RQ's own scheduling: it
+  returns an RQ ``Retry`` with an exponential, jittered backoff, so the worker
+  puts the same job (same id) in the scheduled registry. Requeues need a worker
+  started with ``--with-scheduler`` and RQ >= 2.3.
+* :func:`enqueue_once` enqueues a call unless an identical one (same lock key)
+  is already queued, scheduled or running, and then returns that job instead.
+
+The lock lives on the worker's own Redis connection unless ``client=`` names
+another. Importing this module needs ``rq`` (``pip install celery-redlock[rq]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+from redis.exceptions import RedisError
+from rq import Queue, Retry, get_current_job
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.version import VERSION as RQ_VERSION
+
+from celery_redlock.calls.context import holding
+from celery_redlock.calls.options import OPTIONS, LockOptions
+from celery_redlock.celery.guard import requeue_delay
+from celery_redlock.core.exceptions import ConfigurationError, LockNotAcquired
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.keys import KeyBuilder, KeySpec
+from celery_redlock.core.lock import Lock
+from celery_redlock.core.scripts import Script
+from celery_redlock.functions.decorator import released_badly, unprotected
+
+__all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: What a run does when another run with the same key holds the lock.
+CONFLICT_ACTIONS = ("skip", "raise", "requeue")
+#: What a run does when the lock store cannot be reached.
+REDIS_ERROR_ACTIONS = ("raise", "run", "requeue")
+#: ``job.meta`` entry counting the requeues of a job by its lock.
+REQUEUES_META = "x_redlock_requeues"
+#: ``job.meta`` entry describing why a run was skipped.
+SKIP_META = "x_redlock_skipped"
+
+# Job statuses after which a job will not run again by itself.
+_DONE = ("finished", "failed", "stopped", "canceled")
+
+# Claim the enqueue marker of a lock key, unless it names a live job.
+#
+# KEYS[1]  marker key (the lock key + ":enqueued")
+# ARGV[1]  id of the job the caller is about to enqueue
+# ARGV[2]  key prefix of RQ job hashes ("rq:job:")
+# ARGV[3]  marker lifetime in milliseconds
+# ARGV[4]  grace in milliseconds: a claimed id whose job hash does not exist
+#          yet counts as being enqueued for this long
+# Returns  the id of the live job to reuse, or nil when the marker now names ARGV[1].
+#
+# The marker value is "<job id>|<claim time in ms>". Job hashes are read by a
+# key built here, which Redis Cluster would refuse; RQ does not run on Cluster.
+CLAIM = Script(
+    "rq_enqueue_claim",
+    """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local current = redis.call('GET', KEYS[1])
+if current then
+  local id, claimed = string.match(current, '^(.*)|(%d+)$')
+  if id then
+    local status = redis.call('HGET', ARGV[2] .. id, 'status')
+    if status then
+      if status ~= 'finished' and status ~= 'failed' and status ~= 'stopped'
+          and status ~= 'canceled' then
+        return id
+      end
+    elseif now_ms - tonumber(claimed) < tonumber(ARGV[4]) then
+      return id
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. string.format('%d', now_ms), 'PX', ARGV[3])
+return false
+""",
+)
+
+
+def _choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigurationError(setting, value, f"must be one of {', '.join(choices)}")
+    return str(value)
+
+
+def singleton_job(
+    func: F | None = None,
+    *,
+    key: KeySpec = None,
+    ttl: float = 10.0,
+    on_conflict: str = "skip",
+    on_redis_error: str = "raise",
+    requeue_delay: float = 1.0,
+    requeue_max_delay: float = 60.0,
+    requeue_jitter: float = 0.5,
+    max_requeues: int = 100,
+    skipped: Any = None,
+    key_prefix: str = "redlock",
+    name: str | None = None,
+    client: Any = None,
+) -> Any:
+    """Run each execution of an RQ job function under a lock keyed by its arguments.
+
+    Args:
+        func: The job function (module level, as RQ imports it by name).
+        key: Which arguments identify a run: ``None`` (all), argument names, or
+            a callable ``(args, kwargs) -> str``; as the task's ``lock_key``.
+        ttl: Lock time to live in seconds; renewed every third of it while the job runs.
+        on_conflict: ``"skip"`` (the job finishes, returning ``skipped``; its
+            ``meta[SKIP_META]`` says why), ``"raise"`` (the job fails with
+            :class:`LockNotAcquired`) or ``"requeue"`` (the job returns an RQ
+            ``Retry``: RQ schedules the same job again after a backoff).
+        on_redis_error: ``"raise"``, ``"run"`` (without a lock, logged) or ``"requeue"``.
+        requeue_delay: First requeue delay in seconds; doubles each time.
+        requeue_max_delay: Cap of the requeue delay in seconds.
+        requeue_jitter: Share of each delay taken off at random (0 to 1). RQ
+            schedules in whole seconds, so delays are rounded up to one.
+        max_requeues: Requeues of one job before it fails with ``LockNotAcquired``.
+        skipped: What a skipped run returns (its job's result).
+        key_prefix: Prefix of the lock keys.
+        name: The name in the key (default ``module.qualname``, RQ's ``func_name``).
+        client: Redis client for the lock (default: the worker's connection).
+
+    Raises:
+        ConfigurationError: At decoration, for an invalid option, naming it.
+    """
+    if func is None:
+        return functools.partial(
+            singleton_job,
+            key=key,
+            ttl=ttl,
+            on_conflict=on_conflict,
+            on_redis_error=on_redis_error,
+            requeue_delay=requeue_delay,
+            requeue_max_delay=requeue_max_delay,
+            requeue_jitter=requeue_jitter,
+            max_requeues=max_requeues,
+            skipped=skipped,
+            key_prefix=key_prefix,
+            name=name,
+            client=client,
+        )
+    job_name = name or f"{func.__module__}.{func.__qualname__}"
+    if "{" in job_name or "}" in job_name:
+        raise ConfigurationError("name", job_name, "must not contain braces")
+    options = LockOptions(
+        ttl=OPTIONS["ttl"][0]("ttl", ttl),
+        key=OPTIONS["key"][0]("key", key),
+        on_conflict=_choice("on_conflict", on_conflict, CONFLICT_ACTIONS),
+        on_redis_error=_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
+        requeue_delay=OPTIONS["requeue_delay"][0]("requeue_delay", requeue_delay),
+        requeue_max_delay=OPTIONS["requeue_max_delay"][0]("requeue_max_delay", requeue_max_delay),
+        requeue_jitter=OPTIONS["requeue_jitter"][0]("requeue_jitter", requeue_jitter),
+        max_requeues=OPTIONS["max_requeues"][0]("max_requeues", max_requeues),
+        key_prefix=OPTIONS["key_prefix"][0]("key_prefix", key_prefix),
+    )
+    if "requeue" in (options.on_conflict, options.on_redis_error) and not _returns_retry():
+        raise ConfigurationError(
+            "on_conflict",
+            "requeue",
+            f"needs RQ >= 2.3, whose workers reschedule a job that returns Retry "
+            f"(installed: {RQ_VERSION}); an older worker would finish the job instead",
+        )
+    runner = _JobRunner(func, job_name, options, skipped, client)
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return runner.run(args, kwargs)
+
+    wrapper.lock_key_for = lambda *a, **kw: runner.keys.key_for(a, kw)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _returns_retry() -> bool:
+    """Whether this RQ's workers treat a returned ``Retry`` as a request to retry."""
+    major, minor = (int(part) for part in RQ_VERSION.split(".")[:2])
+    return (major, minor) >= (2, 3)
+
+
+class _JobRunner:
+    """Runs the executions of one job function under their locks."""
+
+    def __init__(
+        self, func: Callable[..., Any], name: str, options: LockOptions, skipped: Any, client: Any
+    ) -> None:
+        self.func = func
+        self.name = name
+        self.options = options
+        self.skipped = skipped
+        self.client = client
+        self.keys = KeyBuilder(name, func, options.key, options.key_prefix)
+
+    def run(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        job = get_current_job()
+        client = self.client if self.client is not None else getattr(job, "connection", None)
+        if client is None:
+            # Called directly, outside a worker, as a Celery task's direct call:
+            # no job to requeue and no connection to lock with.
+            return self.func(*args, **kwargs)
+        key = self.keys.key_for(args, kwargs)
+        job_id = job.id if job is not None else uuid.uuid4().hex
+        label = f"job {self.name}[{job_id}]"
+        lock = Lock(
+            client,
+            key,
+            timeout=self.options.ttl,
+            blocking=False,
+            thread_local=False,
+            auto_renew=True,
+            label=label,
+        )
+        try:
+            acquired = lock.acquire(token=Holder.new(job_id).encode())
+        except RedisError as exc:
+            return self._redis_failed(job, key, exc, args, kwargs)
+        if not acquired:
+            return self._conflict(job, key, lock.local.holder)
+        lease = lock.lease
+        assert lease is not None
+        logger.debug("%s acquired", lease.describe())
+        try:
+            with holding(lease):
+                return self.func(*args, **kwargs)
+        finally:
+            try:
+                lock.release()
+            except Exception as exc:  # the job's outcome stands; say what happened
+                released_badly(lease, exc)
+
+    def _redis_failed(
+        self,
+        job: Job | None,
+        key: str,
+        exc: RedisError,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Any:
+        policy = self.options.on_redis_error
+        if policy == "run":
+            unprotected(self.name, key, exc)
+            return self.func(*args, **kwargs)
+        if policy == "requeue" and job is not None:
+            logger.warning("%s: lock store unreachable (%r); requeue", self.name, exc)
+            return self._requeue(job, key, None, None, unreachable=exc)
+        raise exc
+
+    def _conflict(
+        self, job: Job | None, key: str, holder_info: tuple[str | None, float | None] | None
+    ) -> Any:
+        value, holder_ttl = holder_info or (None, None)
+        holder = Holder.parse(value)
+        holder_id = holder.task_id if holder else value
+        own = job is not None and holder_id == job.id
+        action = "requeue" if own else self.options.on_conflict
+        if action == "requeue" and job is None:
+            action = "raise"
+        logger.info(
+            "%s: %s holds lock %s; %s", self.name, holder_id or "another holder", key, action
+        )
+        if action == "skip":
+            if job is not None:
+                job.meta[SKIP_META] = {"key": key, "holder": holder_id}
+                cast(Any, job).save_meta()  # untyped in RQ
+            return self.skipped
+        if action == "requeue":
+            assert job is not None
+            return self._requeue(job, key, holder_id, holder_ttl, own=own)
+        raise LockNotAcquired(
+            f"job {self.name} not run: {holder_id or 'another holder'} holds {key}",
+            lock_name=key,
+            holder=holder_id,
+            holder_ttl=holder_ttl,
+        )
+
+    def _requeue(
+        self,
+        job: Job,
+        key: str,
+        holder_id: str | None,
+        holder_ttl: float | None,
+        own: bool = False,
+        unreachable: RedisError | None = None,
+    ) -> Retry:
+        attempt = int(job.meta.get(REQUEUES_META, 0)) + 1
+        # A job meeting its own lock (a rerun of a job whose first run still
+        # holds it, alive or dead) always waits: its lock ends within the TTL.
+        if attempt > self.options.max_requeues and not own:
+            why = (
+                f"the lock store kept failing for {key} ({unreachable!r})"
+                if unreachable is not None
+                else f"lock {key} stayed held by {holder_id or 'another holder'}"
+            )
+            raise LockNotAcquired(
+                f"job {self.name}[{job.id}] gave up after {self.options.max_requeues} "
+                f"requeues: {why}",
+                lock_name=key,
+                holder=holder_id,
+                holder_ttl=holder_ttl,
+            ) from unreachable
+        delay = requeue_delay(self.options, attempt, random.random())
+        if own and holder_ttl is not None:
+            delay = min(delay, holder_ttl + 0.1)
+        job.meta[REQUEUES_META] = attempt
+        cast(Any, job).save_meta()  # untyped in RQ
+        # One more than the retries RQ has counted, so RQ never fails the job
+        # for running out: this module counts its own requeues in meta.
+        return Retry(max=(job.number_of_retries or 0) + 1, interval=max(1, math.ceil(delay)))
+
+
+def enqueue_once(
+    queue: Queue,
+    func: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    marker_ttl: float = 86400.0,
+    grace: float = 10.0,
+    **enqueue_options: Any,
+) -> Job:
+    """Enqueue ``func(*args, **kwargs)`` unless an identical call is queued or running.
+
+    Two calls are identical when they have the same lock key: for a
+    :func:`singleton_job` function its own key options, otherwise all arguments.
+    A job that is queued, scheduled (for instance requeued by its lock),
+    deferred or started counts; a finished, failed, stopped or canceled one does
+    not. The check and the claim are one atomic script, so concurrent callers
+    get one job between them.
+
+    Args:
+        queue: The RQ queue.
+        func: The job function.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        marker_ttl: Seconds the enqueue marker lives; a job still queued after
+            that no longer deduplicates.
+        grace: Seconds a claimed job id counts as being enqueued before its job
+            hash exists (covers the caller between claim and enqueue).
+        **enqueue_options: Passed to ``Queue.enqueue_call`` (``job_timeout`` as
+            ``timeout``, ``result_ttl``, ``meta``...); not ``job_id``.
+
+    Returns:
+        The new job, or the live identical one.
+
+    Raises:
+        ConfigurationError: If ``enqueue_options`` sets ``job_id``.
+    """
+    if "job_id" in enqueue_options:
+        raise ConfigurationError("job_id", enqueue_options["job_id"], "enqueue_once picks the id")
+    kwargs = dict(kwargs or {})
+    key_for = getattr(func, "lock_key_for", None)
+    if key_for is None:
+        name = f"{func.__module__}.{func.__qualname__}"
+        key_for = functools.partial(_default_key, KeyBuilder(name, func, None, "redlock"))
+    marker = f"{key_for(*args, **kwargs)}:enqueued"
+    prefix = queue.job_class.key_for("")
+    deadline = time.monotonic() + grace + 1.0
+    while True:
+        new_id = uuid.uuid4().hex
+        existing = CLAIM(
+            queue.connection,
+            (marker,),
+            (new_id, prefix, int(marker_ttl * 1000), int(grace * 1000)),
+        )
+        if existing is None:
+            return queue.enqueue_call(
+                func, args=tuple(args), kwargs=kwargs, job_id=new_id, **enqueue_options
+            )
+        existing_id = existing.decode() if isinstance(existing, bytes) else str(existing)
+        try:
+            return queue.job_class.fetch(existing_id, connection=queue.connection)
+        except NoSuchJobError:
+            # Claimed by a caller that is enqueueing it right now (or died
+            # doing so, and the claim lapses after the grace): look again.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _default_key(keys: KeyBuilder, *args: Any, **kwargs: Any) -> str:
+    return keys.key_for(args, kwargs)
