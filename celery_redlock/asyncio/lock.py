@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar, Union
 from redis.exceptions import RedisError
 
 from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.core.holder import Refusal
 from celery_redlock.core.lock import (
     DEFAULT_DRIFT_FACTOR,
     DEFAULT_FENCE_RETENTION,
@@ -171,6 +172,15 @@ class Lock(LockSettings):
         except RuntimeError:
             return None
         return self._state()
+
+    @property
+    def refusal(self) -> Refusal:
+        """Who held the key when this task's latest acquire was refused.
+
+        Read it after :meth:`acquire` returned ``False``; after a successful
+        acquire it says nothing (both fields ``None``).
+        """
+        return Refusal.of(self._state().holder)
 
     @property
     def local(self) -> TaskState:

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Holder", "queue_of"]
+__all__ = ["Holder", "Refusal", "queue_of"]
 
 _FORMAT = "v2"
 _OLD_FORMAT = "v1"
@@ -177,3 +177,40 @@ class Holder:
             host=host or None,
             queue=queue or None,
         )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Who held a key when an acquire was refused, as the store reported it.
+
+    Attributes:
+        value: The holder's lock value, or ``None`` when the store did not say
+            (``SET NX`` without fencing, a Redlock without a majority view).
+        ttl: Seconds the holder's lock had left, or ``None`` (unknown, or no expiry).
+    """
+
+    value: str | None = None
+    ttl: float | None = None
+
+    @classmethod
+    def of(cls, reported: tuple[str | None, float | None] | None) -> Refusal:
+        """Build a refusal from a lock's ``(value, ttl)`` report (``None``: nothing known)."""
+        return cls(*reported) if reported is not None else cls()
+
+    @property
+    def holder(self) -> Holder | None:
+        """The parsed holder, or ``None`` when the value is unknown or not this package's."""
+        return Holder.parse(self.value)
+
+    @property
+    def holder_id(self) -> str | None:
+        """The holding task's (or call's) id; the raw value for a foreign one."""
+        holder = self.holder
+        return holder.task_id if holder is not None else self.value
+
+    def describe(self, kind: str = "task") -> str:
+        """Say who holds the key, e.g. ``task 1f3c (on celery@a, pid 12)``, for log lines."""
+        holder = self.holder
+        if holder is not None:
+            return f"{kind} {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
+        return self.value or "another holder"

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union
 
 from .exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from .holder import Refusal
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -649,6 +650,15 @@ class Lock(LockSettings):
     def lease(self) -> Lease | None:
         """This thread's latest lease: held, lost or released; ``None`` before any."""
         return self.local.lease
+
+    @property
+    def refusal(self) -> Refusal:
+        """Who held the key when this thread's latest acquire was refused.
+
+        Read it after :meth:`acquire` returned ``False``; after a successful
+        acquire it says nothing (both fields ``None``).
+        """
+        return Refusal.of(self.local.holder)
 
     @property
     def token(self) -> bytes | None:
