@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         from celery.exceptions import Ignore
 
         from celery_redlock import SingletonTask
-        from celery_redlock.celery.guard import guard_for
+        from celery_redlock.celery.guards import guard_for
         from celery_redlock.core.renewal import Watchdog, default_watchdog
         from celery_redlock.core.scripts import ACQUIRE, RELEASE, Script
 

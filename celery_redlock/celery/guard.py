@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -20,24 +19,33 @@ from typing import Any, NoReturn, TypeVar
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 from celery.states import READY_STATES
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
-from celery_redlock.calls.context import current_lock, holding
-from celery_redlock.calls.options import LockOptions, resolve
-from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
-from celery_redlock.core.holder import Holder, queue_of
+from celery_redlock.calls.context import current_lock
+from celery_redlock.calls.decisions import (
+    Decision,
+    decide,
+    gave_up,
+    log_store_failure,
+    not_acquired,
+    requeue_countdown,
+)
+from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
+from celery_redlock.calls.options import LockOptions
+from celery_redlock.core.exceptions import LockError, LockNotAcquired
+from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.lock import Lease, Lock
-from celery_redlock.core.store import LockStore, store_for
+from celery_redlock.core.store import LockStore
 
 from . import signals
+from .messages import REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 
 __all__ = [
     "SKIPPED",
     "TaskGuard",
     "called_inside",
     "current_lock",
-    "guard_for",
     "guarding",
     "requeuing",
 ]
@@ -48,12 +56,6 @@ logger = logging.getLogger(__name__)
 #: Not a ready state: ``AsyncResult.get()`` keeps waiting; read ``.state``/``.info``.
 SKIPPED = "SKIPPED"
 
-#: Message header counting how often the lock sent this message back to the queue:
-#: ``[retries, count]``, so that a Celery retry (which copies the headers) starts
-#: its own count.
-REQUEUES_HEADER = "x_redlock_requeues"
-#: Message header set when a copy was requeued because it met its own task id.
-SELF_HEADER = "x_redlock_self"
 #: Seconds such a copy, once it holds the lock, waits for the earlier delivery's
 #: result to appear before running the task itself.
 RESULT_GRACE = 1.0
@@ -99,7 +101,7 @@ def requeuing() -> bool:
     return _requeuing.get()
 
 
-class TaskGuard:
+class TaskGuard(Guard[Any]):
     """Runs the calls of one task under its lock.
 
     Args:
@@ -128,7 +130,7 @@ class TaskGuard:
             LockKeyError: When the arguments cannot make a key.
         """
         try:
-            return self._run(args, kwargs, body)
+            return run_guarded(self, self._call(args, kwargs), body)
         except Ignore as ignored:
             # Celery copies every frame of an Ignore's traceback (with each code
             # object's position table) into an ExceptionInfo, twice: starting
@@ -136,51 +138,30 @@ class TaskGuard:
             # about a tenth of what a skipped or requeued duplicate costs.
             raise ignored.with_traceback(None) from None
 
-    def _run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
+    def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
+        """Describe the running request's call: its key, and the holder its lock will name."""
         task, request = self.task, self.task.request
-        task_id = request.id
-        key = self.keys.key_for(args, kwargs)
-        label = f"task {task.name}[{task_id}]"
         holder = Holder.new(
             request.id,
             request.hostname,
             ttl=self.options.ttl,
             queue=self.queue or queue_of(request.delivery_info),
         )
-        try:
-            # Inside the try: a Cluster client connects when first built.
-            lock = self._new_lock(key, task_id, label)
-            acquired = lock.acquire(token=holder.encode())
-        except RedisError as exc:
-            return self._redis_failed(key, exc, body)
-        if not acquired:
-            self._conflict(key, lock)
-        lease = lock.lease
-        assert lease is not None
-        logger.debug("%s acquired", lease.describe())
-        signals.lock_acquired.send(
-            sender=task, task_id=request.id, key=key, fence=lease.fence, ttl=self.options.ttl
-        )
-        try:
-            with holding(lease):
-                if self._met_itself(request) and self._already_done(request.id):
-                    logger.info("%s: an earlier delivery already ran it; dropping", label)
-                    raise Ignore()
-                return body()
-        finally:
-            self._release(lock, lease)
+        label = f"task {task.name}[{request.id}]"
+        return Call(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
 
-    def _new_lock(self, key: str, task_id: str, label: str) -> Lock:
+    def new_lock(self, call: Call) -> Lock:
         """Build the lock one run takes (enqueue modes take it differently).
 
         Raises:
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(key, **self._lock_options(task_id, label))
+        return self.store.lock(call.key, **self._lock_options(call))
 
-    def _lock_options(self, task_id: str, label: str) -> dict[str, Any]:
+    def _lock_options(self, call: Call) -> dict[str, Any]:
         """The options of every run's lock, whichever class takes it."""
+        task_id = call.call_id
         return {
             "timeout": self.options.ttl,
             "blocking": False,
@@ -189,24 +170,34 @@ class TaskGuard:
             # Only the id: the lease outlives the run in the watchdog's heap,
             # and the request would keep the call's arguments alive with it.
             "on_lost": lambda lease: self._report_lost(lease, task_id),
-            "label": label,
+            "label": call.label,
         }
 
-    def _release(self, lock: Lock, lease: Lease) -> None:
-        # Runs in the finally of the task body: before Celery stores the result,
-        # so a caller that sees the result can enqueue the same call at once.
-        owned = True
-        try:
-            lock.release()
-        except LockNotOwned:
-            owned = False
-            logger.error("%s was lost before the task finished", lease.describe())
-        except RedisError as exc:
-            logger.warning(
-                "%s: release failed (%r); it expires within %ss", lease.describe(), exc, lease.ttl
-            )
-        else:
-            logger.debug("%s released", lease.describe())
+    def acquired(self, call: Call, lease: Lease) -> None:
+        """Log the acquisition and send ``lock_acquired``."""
+        logger.debug("%s acquired", lease.describe())
+        signals.lock_acquired.send(
+            sender=self.task,
+            task_id=call.call_id,
+            key=call.key,
+            fence=lease.fence,
+            ttl=self.options.ttl,
+        )
+
+    def starting(self, call: Call, lease: Lease) -> None:
+        """Drop a requeued copy of a call whose earlier delivery finished meanwhile."""
+        request = self.task.request
+        if self._met_itself(request) and self._already_done(request.id):
+            logger.info("%s: an earlier delivery already ran it; dropping", call.label)
+            raise Ignore()
+
+    def release(self, call: Call, lock: Any, lease: Lease) -> bool:
+        """Release, then send ``lock_released`` with whether the lock was still this run's.
+
+        Runs in the finally of the task body: before Celery stores the result,
+        so a caller that sees the result can enqueue the same call at once.
+        """
+        owned = super().release(call, lock, lease)
         signals.lock_released.send(
             sender=self.task,
             task_id=self.task.request.id,
@@ -214,8 +205,9 @@ class TaskGuard:
             fence=lease.fence,
             owned=owned,
         )
+        return owned
 
-    def _report_lost(self, lease: Lease, task_id: str) -> None:
+    def _report_lost(self, lease: Lease, task_id: str | None) -> None:
         # Runs on the watchdog thread; the lease has already logged the loss.
         signals.lock_lost.send(
             sender=self.task,
@@ -225,43 +217,46 @@ class TaskGuard:
             reason=lease.loss_reason,
         )
 
-    def _conflict(self, key: str, lock: Lock) -> NoReturn:
-        task, request = self.task, self.task.request
-        value, holder_ttl = lock.local.holder or (None, None)
-        holder = Holder.parse(value)
-        holder_id = holder.task_id if holder else None
-        if holder_id == request.id:
-            # A redelivery of this very task: its first delivery holds the lock,
-            # alive or dead. Skipping could lose the task for good (if the first
-            # delivery died) and running would run it twice at once: wait.
-            self._contended(key, holder, "requeue")
-            self._requeue(key, holder_id, holder_ttl, own=True)
-        action = self.options.on_conflict
-        if action == "requeue" and request.is_eager:
-            action = "raise"  # see _requeue
-        # Out of requeues, the call fails: say so, not that it was requeued.
-        gives_up = action == "requeue" and requeues_of(request) >= self.options.max_requeues
-        self._contended(key, holder, "raise" if gives_up else action)
-        if action == "requeue":
-            self._requeue(key, holder_id, holder_ttl)
-        if action == "skip":
-            self._record_skip(key, holder)
-            raise Ignore()
-        raise LockNotAcquired(
-            f"task {task.name}[{request.id}] not run: {_describe(holder)} holds {key}",
-            lock_name=key,
-            holder=holder_id,
-            holder_ttl=holder_ttl,
-        )
+    def refused(self, call: Call, lock: Any) -> NoReturn:
+        """Skip, requeue or raise as ``on_conflict`` says; wait for an own earlier delivery."""
+        self._conflict(call.key, lock.refusal)
 
-    def _contended(self, key: str, holder: Holder | None, action: str) -> None:
+    def _conflict(self, key: str, refusal: Refusal) -> NoReturn:
+        request = self.task.request
+        decision = decide(
+            refusal,
+            request.id,
+            self.options.on_conflict,
+            requeues=requeues_of(request),
+            max_requeues=self.options.max_requeues,
+            # An eager call cannot be requeued: the requeue would run it again
+            # at once, inside this call (see _requeue).
+            can_requeue=not request.is_eager or refusal.holder_id == request.id,
+        )
+        self._contended(key, refusal, decision.action)
+        if decision.gave_up:
+            raise gave_up(self._label(), key, self.options.max_requeues, refusal)
+        if decision.action == "requeue":
+            # A redelivery of this very task (decision.own): its first delivery
+            # holds the lock, alive or dead. Skipping could lose the task for
+            # good (if the first delivery died) and running would run it twice.
+            self._requeue(key, refusal, decision)
+        if decision.action == "skip":
+            self._record_skip(key, refusal.holder)
+            raise Ignore()
+        raise not_acquired(self._label(), key, refusal, "task")
+
+    def _label(self) -> str:
+        return f"task {self.task.name}[{self.task.request.id}]"
+
+    def _contended(self, key: str, refusal: Refusal, action: str) -> None:
         task, request = self.task, self.task.request
         attempt = requeues_of(request)
         logger.info(
             "task %s[%s]: %s holds lock %s; %s",
             task.name,
             request.id,
-            _describe(holder),
+            refusal.describe(),
             key,
             action,
         )
@@ -269,7 +264,7 @@ class TaskGuard:
             sender=task,
             task_id=request.id,
             key=key,
-            holder=holder.task_id if holder else None,
+            holder=refusal.holder.task_id if refusal.holder else None,
             action=action,
             attempt=attempt,
         )
@@ -277,9 +272,8 @@ class TaskGuard:
     def _requeue(
         self,
         key: str,
-        holder_id: str | None,
-        holder_ttl: float | None,
-        own: bool = False,
+        refusal: Refusal,
+        decision: Decision,
         recheck: bool = True,
         unreachable: RedisError | None = None,
     ) -> NoReturn:
@@ -291,40 +285,27 @@ class TaskGuard:
         Raises:
             LockNotAcquired: For an eager call (a requeue would run it again at
                 once, inside this call), or when ``max_requeues`` ran out. A
-                redelivery meeting its own lock (``own``) never runs out: its
-                first delivery either finishes or dies, and the lock expires.
-                With ``recheck`` such a copy is marked to drop itself if the
-                holder turns out to have finished the task. ``unreachable`` is
-                the error of a lock store that could not be reached, when that
-                (not a holder) is why the call is requeued.
+                redelivery meeting its own lock (``decision.own``) never runs
+                out: its first delivery either finishes or dies, and the lock
+                expires. With ``recheck`` such a copy is marked to drop itself
+                if the holder turns out to have finished the task.
+                ``unreachable`` is the error of a lock store that could not be
+                reached, when that (not a holder) is why the call is requeued.
         """
-        task, request = self.task, self.task.request
+        request = self.task.request
         attempt = requeues_of(request) + 1
         if request.is_eager:
             raise LockNotAcquired(
-                f"task {task.name}[{request.id}] runs eagerly and cannot be requeued: "
-                f"lock {key} is held by {holder_id or 'another holder'} or unreachable",
+                f"{self._label()} runs eagerly and cannot be requeued: lock {key} is held by "
+                f"{refusal.holder_id or 'another holder'} or unreachable",
                 lock_name=key,
-                holder=holder_id,
-                holder_ttl=holder_ttl,
+                holder=refusal.holder_id,
+                holder_ttl=refusal.ttl,
             )
-        if attempt > self.options.max_requeues and not own:
-            why = (
-                f"the lock store kept failing for {key} ({unreachable!r})"
-                if unreachable is not None
-                else f"lock {key} stayed held by {holder_id or 'another holder'}"
-            )
-            raise LockNotAcquired(
-                f"task {task.name}[{request.id}] gave up after "
-                f"{self.options.max_requeues} requeues: {why}",
-                lock_name=key,
-                holder=holder_id,
-                holder_ttl=holder_ttl,
-            ) from unreachable
-        delay = requeue_delay(self.options, attempt, random.random())
-        if own and holder_ttl is not None:
-            # A dead first delivery frees the lock when its TTL runs out.
-            delay = min(delay, holder_ttl + 0.1)
+        if attempt > self.options.max_requeues and not decision.own:
+            raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
+        delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
+        own = decision.own
         headers = dict(request.headers or {})
         retries = request.retries or 0
         headers[REQUEUES_HEADER] = [retries, attempt]
@@ -334,7 +315,8 @@ class TaskGuard:
             headers.pop(SELF_HEADER, None)
         marked = _requeuing.set(True)
         try:
-            task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+            copy = self.task.signature_from_request(request, countdown=delay, headers=headers)
+            copy.apply_async()
         except Exception as exc:
             self._requeue_failed(key, exc)
         finally:
@@ -412,84 +394,14 @@ class TaskGuard:
                 return False
             time.sleep(RESULT_POLL)
 
-    def _redis_failed(self, key: str, exc: RedisError, body: Callable[[], T]) -> T:
-        task, request = self.task, self.task.request
+    def store_failed(self, call: Call, exc: RedisError) -> Any:
+        """Apply ``on_redis_error``: run without the lock, requeue, or raise :class:`LockError`."""
         policy = self.options.on_redis_error
-        # A server that answered with an error (ACL, wrong type, out of memory)
-        # was reached: say so, it needs a different fix than an outage.
-        failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
-        logger.warning(
-            "task %s[%s]: lock store %s for %s (%r); %s",
-            task.name,
-            request.id,
-            failure,
-            key,
-            exc,
-            "running WITHOUT the lock" if policy == "run" else policy,
-        )
+        failure = log_store_failure(call.label, call.key, exc, policy)
         if policy == "run":
-            return body()
+            return UNPROTECTED
         if policy == "requeue":
-            self._requeue(key, None, None, unreachable=exc)
-        raise LockError(f"lock store {failure} for {key}: {exc!r}", lock_name=key) from exc
-
-
-def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
-    """Return the countdown of requeue number ``attempt`` (1-based).
-
-    Exponential from ``requeue_delay``, capped at ``requeue_max_delay``; up to
-    ``requeue_jitter`` of it is taken off at random (``draw`` in [0, 1)) so that
-    duplicates that collided once do not collide again.
-    """
-    # The exponent is capped: 2**40 times any delay is past every sane cap.
-    delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** min(attempt - 1, 40))
-    return float(delay * (1 - options.requeue_jitter * draw))
-
-
-def requeues_of(request: Any) -> int:
-    """How often the lock requeued this attempt of a task (0 after a Celery retry)."""
-    value = header_of(request, REQUEUES_HEADER)
-    if isinstance(value, (list, tuple)) and len(value) == 2:
-        retries, count = value
-        return int(count) if retries == (request.retries or 0) else 0
-    return int(value or 0)  # a message requeued by an earlier version
-
-
-def header_of(request: Any, name: str) -> Any:
-    """Return message header ``name`` of a task request (or the request attribute of that name)."""
-    headers = request.headers or {}
-    return headers.get(name, getattr(request, name, None))
-
-
-def _describe(holder: Holder | None) -> str:
-    if holder is None:
-        return "another holder"
-    return f"task {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
-
-
-_guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
-
-
-def guard_for(
-    task: Any, queue: str | None = None, queue_options: Mapping[str, Any] | None = None
-) -> TaskGuard:
-    """Return the guard of ``task`` for calls from ``queue``, built on first use in this process.
-
-    Args:
-        task: The task.
-        queue: The locked queue the call came from, if any.
-        queue_options: That queue's entry of ``redlock_queues``.
-    """
-    per_queue = _guards.get(task)
-    if per_queue is None:
-        per_queue = _guards[task] = {}
-    guard = per_queue.get(queue)
-    if guard is None:
-        options = resolve(task, task.app.conf, queue, queue_options)
-        factory: type[TaskGuard] = TaskGuard
-        if options.mode != "while_executing":
-            from .enqueue import EnqueueGuard  # enqueue.py builds on this module
-
-            factory = EnqueueGuard
-        guard = per_queue[queue] = factory(task, options, store_for(task.app), queue)
-    return guard
+            self._requeue(call.key, Refusal(), Decision("requeue"), unreachable=exc)
+        raise LockError(
+            f"lock store {failure} for {call.key}: {exc!r}", lock_name=call.key
+        ) from exc

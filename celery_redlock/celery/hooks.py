@@ -21,8 +21,9 @@ from redis.exceptions import RedisError
 from celery_redlock.calls.options import GUARDED_ATTRIBUTE
 from celery_redlock.core.holder import Holder
 
-from .guard import guard_for
+from .guards import guard_for
 from .queues import QueueLocks, registered
+from .window import release_revoked
 
 __all__ = ["connect"]
 
@@ -48,8 +49,6 @@ def _release_reservation(
         return
     if not getattr(sender, GUARDED_ATTRIBUTE, False):
         return
-    from .enqueue import release_revoked
-
     try:
         release_revoked(sender, guard_for(sender), request)
     except Exception as exc:  # a handler must not take the worker down

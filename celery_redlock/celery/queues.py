@@ -21,7 +21,8 @@ from typing import Any
 from celery_redlock.calls.options import GUARDED_ATTRIBUTE, resolve
 from celery_redlock.core.exceptions import ConfigurationError
 
-from .guard import called_inside, guard_for, guarding
+from .guard import called_inside, guarding
+from .guards import guard_for
 
 __all__ = [
     "QueueLocks",

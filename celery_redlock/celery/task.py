@@ -10,7 +10,9 @@ from celery import Task
 from celery_redlock.calls.options import check_mode_store, lock_url, resolve, validate_settings
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
-from .guard import called_inside, guard_for, guarding
+from . import publish
+from .guard import called_inside, guarding
+from .guards import guard_for
 from .queues import locked_queue
 
 __all__ = ["SingletonTask"]
@@ -109,7 +111,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
 
         ``while_executing`` publishes exactly as Celery does, with no Redis
         command. The enqueue modes are described in
-        :func:`celery_redlock.celery.enqueue.apply_async`.
+        :func:`celery_redlock.celery.publish.apply_async`.
 
         Raises:
             DuplicateTask: A copy is already enqueued and ``lock_on_duplicate``
@@ -122,14 +124,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
             )
-        from . import enqueue
-
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
 
-        def publish(args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> Any:
+        def send(args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> Any:
             return super(SingletonTask, self).apply_async(args, kwargs, task_id, **options)
 
-        return enqueue.apply_async(guard, publish, args, kwargs, task_id, options)
+        return publish.apply_async(guard, send, args, kwargs, task_id, options)
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """Return the lock key a call with these arguments would take.

@@ -26,6 +26,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from redis.exceptions import RedisError
@@ -34,15 +35,21 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.version import VERSION as RQ_VERSION
 
-from celery_redlock.calls.context import holding
+from celery_redlock.calls.decisions import (
+    Decision,
+    decide,
+    gave_up,
+    log_store_failure,
+    not_acquired,
+    requeue_countdown,
+)
+from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import OPTIONS, LockOptions
-from celery_redlock.celery.guard import requeue_delay
-from celery_redlock.core.exceptions import ConfigurationError, LockNotAcquired
-from celery_redlock.core.holder import Holder
+from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 from celery_redlock.core.lock import Lock
 from celery_redlock.core.scripts import Script
-from celery_redlock.functions.decorator import released_badly, unprotected
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
 
@@ -200,8 +207,10 @@ def _returns_retry() -> bool:
     return (major, minor) >= (2, 3)
 
 
-class _JobRunner:
+class _JobRunner(Guard[Any]):
     """Runs the executions of one job function under their locks."""
+
+    kind = "job"
 
     def __init__(
         self, func: Callable[..., Any], name: str, options: LockOptions, skipped: Any, client: Any
@@ -214,120 +223,114 @@ class _JobRunner:
         self.keys = KeyBuilder(name, func, options.key, options.key_prefix)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Run the job function once under its lock (directly when called outside a worker)."""
         job = get_current_job()
-        client = self.client if self.client is not None else getattr(job, "connection", None)
-        if client is None:
+        if self.client is None and job is None:
             # Called directly, outside a worker, as a Celery task's direct call:
             # no job to requeue and no connection to lock with.
             return self.func(*args, **kwargs)
-        key = self.keys.key_for(args, kwargs)
         job_id = job.id if job is not None else uuid.uuid4().hex
-        label = f"job {self.name}[{job_id}]"
-        lock = Lock(
+        call = _JobCall(
+            self.keys.key_for(args, kwargs),
+            Holder.new(job_id).encode(),
+            f"job {self.name}[{job_id}]",
+            job.id if job is not None else None,
+            job,
+        )
+        return run_guarded(self, call, lambda: self.func(*args, **kwargs))
+
+    def new_lock(self, call: Call) -> Lock:
+        """The run's lock, on the given client or the worker's own connection."""
+        client = self.client if self.client is not None else _job_of(call).connection
+        return Lock(
             client,
-            key,
+            call.key,
             timeout=self.options.ttl,
             blocking=False,
             thread_local=False,
             auto_renew=True,
-            label=label,
+            label=call.label,
         )
-        try:
-            acquired = lock.acquire(token=Holder.new(job_id).encode())
-        except RedisError as exc:
-            return self._redis_failed(job, key, exc, args, kwargs)
-        if not acquired:
-            return self._conflict(job, key, lock.local.holder)
-        lease = lock.lease
-        assert lease is not None
-        logger.debug("%s acquired", lease.describe())
-        try:
-            with holding(lease):
-                return self.func(*args, **kwargs)
-        finally:
-            try:
-                lock.release()
-            except Exception as exc:  # the job's outcome stands; say what happened
-                released_badly(lease, exc)
 
-    def _redis_failed(
-        self,
-        job: Job | None,
-        key: str,
-        exc: RedisError,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-    ) -> Any:
+    def acquired(self, call: Call, lease: Any) -> None:
+        """Log the acquisition (DEBUG)."""
+        logger.debug("%s acquired", lease.describe())
+
+    def store_failed(self, call: Call, exc: RedisError) -> Any:
+        """Apply ``on_redis_error``: run without the lock, requeue, or raise."""
         policy = self.options.on_redis_error
+        job = _job_of(call, None)
+        if policy == "requeue" and job is None:
+            policy = "raise"
+        log_store_failure(call.label, call.key, exc, policy)
         if policy == "run":
-            unprotected(self.name, key, exc)
-            return self.func(*args, **kwargs)
-        if policy == "requeue" and job is not None:
-            logger.warning("%s: lock store unreachable (%r); requeue", self.name, exc)
-            return self._requeue(job, key, None, None, unreachable=exc)
+            return UNPROTECTED
+        if policy == "requeue":
+            return self._requeue(call, Decision("requeue"), Refusal(), unreachable=exc)
         raise exc
 
-    def _conflict(
-        self, job: Job | None, key: str, holder_info: tuple[str | None, float | None] | None
-    ) -> Any:
-        value, holder_ttl = holder_info or (None, None)
-        holder = Holder.parse(value)
-        holder_id = holder.task_id if holder else value
-        own = job is not None and holder_id == job.id
-        action = "requeue" if own else self.options.on_conflict
-        if action == "requeue" and job is None:
-            action = "raise"
-        logger.info(
-            "%s: %s holds lock %s; %s", self.name, holder_id or "another holder", key, action
+    def refused(self, call: Call, lock: Any) -> Any:
+        """Skip (recording why in ``job.meta``), requeue with an RQ ``Retry``, or raise."""
+        job, refusal = _job_of(call, None), lock.refusal
+        decision = decide(
+            refusal,
+            call.call_id,
+            self.options.on_conflict,
+            requeues=int(job.meta.get(REQUEUES_META, 0)) if job is not None else 0,
+            max_requeues=self.options.max_requeues,
+            can_requeue=job is not None,
         )
+        action = "raise" if decision.gave_up else decision.action
+        logger.info(
+            "%s: %s holds lock %s; %s", self.name, refusal.describe("job"), call.key, action
+        )
+        if decision.gave_up:
+            raise gave_up(call.label, call.key, self.options.max_requeues, refusal)
         if action == "skip":
             if job is not None:
-                job.meta[SKIP_META] = {"key": key, "holder": holder_id}
+                job.meta[SKIP_META] = {"key": call.key, "holder": refusal.holder_id}
                 cast(Any, job).save_meta()  # untyped in RQ
             return self.skipped
         if action == "requeue":
-            assert job is not None
-            return self._requeue(job, key, holder_id, holder_ttl, own=own)
-        raise LockNotAcquired(
-            f"job {self.name} not run: {holder_id or 'another holder'} holds {key}",
-            lock_name=key,
-            holder=holder_id,
-            holder_ttl=holder_ttl,
-        )
+            return self._requeue(call, decision, refusal)
+        raise not_acquired(f"job {self.name}", call.key, refusal, "job")
 
     def _requeue(
         self,
-        job: Job,
-        key: str,
-        holder_id: str | None,
-        holder_ttl: float | None,
-        own: bool = False,
+        call: Call,
+        decision: Decision,
+        refusal: Refusal,
         unreachable: RedisError | None = None,
     ) -> Retry:
+        job = _job_of(call)
         attempt = int(job.meta.get(REQUEUES_META, 0)) + 1
         # A job meeting its own lock (a rerun of a job whose first run still
         # holds it, alive or dead) always waits: its lock ends within the TTL.
-        if attempt > self.options.max_requeues and not own:
-            why = (
-                f"the lock store kept failing for {key} ({unreachable!r})"
-                if unreachable is not None
-                else f"lock {key} stayed held by {holder_id or 'another holder'}"
-            )
-            raise LockNotAcquired(
-                f"job {self.name}[{job.id}] gave up after {self.options.max_requeues} "
-                f"requeues: {why}",
-                lock_name=key,
-                holder=holder_id,
-                holder_ttl=holder_ttl,
-            ) from unreachable
-        delay = requeue_delay(self.options, attempt, random.random())
-        if own and holder_ttl is not None:
-            delay = min(delay, holder_ttl + 0.1)
+        if attempt > self.options.max_requeues and not decision.own:
+            raise gave_up(call.label, call.key, self.options.max_requeues, refusal, unreachable)
+        delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         job.meta[REQUEUES_META] = attempt
         cast(Any, job).save_meta()  # untyped in RQ
         # One more than the retries RQ has counted, so RQ never fails the job
         # for running out: this module counts its own requeues in meta.
         return Retry(max=(job.number_of_retries or 0) + 1, interval=max(1, math.ceil(delay)))
+
+
+@dataclass(frozen=True)
+class _JobCall(Call):
+    """A job's run: a :class:`Call` that also carries its RQ job."""
+
+    job: Job | None = None
+
+
+_MISSING: Any = object()
+
+
+def _job_of(call: Call, default: Any = _MISSING) -> Any:
+    job = call.job if isinstance(call, _JobCall) else None
+    if job is None and default is _MISSING:
+        raise AssertionError(f"{call.label} runs outside an RQ job")
+    return job if job is not None else default
 
 
 def enqueue_once(

@@ -1,8 +1,8 @@
 """Every public name of the package has a docstring.
 
 Public means: each name in ``celery_redlock.__all__``; each name in the
-``__all__`` of every public module (``celery_redlock.<name>``, no leading
-underscore); and the public methods and properties those classes define
+``__all__`` of every public module (``celery_redlock.<folder>.<name>``, no
+leading underscore); and the public methods and properties those classes define
 themselves. Module constants are documented by a comment right above the
 assignment: ``#:`` for those the API reference shows (``docs/_ext/docstrings.py``
 reads it), or the contract block above each Lua script.
@@ -23,13 +23,17 @@ import celery_redlock
 
 
 def public_modules() -> list[ModuleType]:
+    # Only the package's own folder: its __path__ also holds the deprecated
+    # flat-layout stubs, which warn on import.
     names = [
-        f"celery_redlock.{info.name}"
-        for info in pkgutil.iter_modules(celery_redlock.__path__)
-        if not info.name.startswith("_")
+        info.name
+        for info in pkgutil.walk_packages(celery_redlock.__path__[:1], "celery_redlock.")
+        if not any(part.startswith("_") for part in info.name.split("."))
     ]
-    # The package last: a name it re-exports is credited to the module defining it.
-    return [*(importlib.import_module(name) for name in sorted(names)), celery_redlock]
+    # Deeper modules first, the package last: a name a package re-exports is
+    # credited to the module defining it.
+    names.sort(key=lambda name: (-name.count("."), name))
+    return [*(importlib.import_module(name) for name in names), celery_redlock]
 
 
 def _own_doc(obj: Any) -> str | None:

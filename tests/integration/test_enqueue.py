@@ -14,7 +14,8 @@ import redis
 from celery import Celery
 
 from celery_redlock import ConfigurationError, DuplicateTask, SingletonTask, current_lock
-from celery_redlock.celery.enqueue import RESERVATION_HEADER, reservation_key
+from celery_redlock.celery.messages import RESERVATION_HEADER
+from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import fence_key_for
 from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE

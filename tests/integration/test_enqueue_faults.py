@@ -25,8 +25,9 @@ from celery.contrib.testing.worker import start_worker
 from celery_redlock import ConfigurationError, LockError, SingletonTask
 from celery_redlock.celery import signals as redlock_signals
 from celery_redlock.celery.bootsteps import prepare_worker
-from celery_redlock.celery.enqueue import RESERVATION_HEADER, cancel_key, reservation_key
-from celery_redlock.celery.guard import REQUEUES_HEADER
+from celery_redlock.celery.messages import REQUEUES_HEADER, RESERVATION_HEADER
+from celery_redlock.celery.publish import cancel_key
+from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.scripts import CANCEL_RESERVE, RESERVE
 
 

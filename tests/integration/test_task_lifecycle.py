@@ -20,7 +20,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_redlock import SKIPPED, LockError, LockNotAcquired, SingletonTask, current_lock
 from celery_redlock.celery import signals as redlock_signals
-from celery_redlock.celery.guard import requeues_of
+from celery_redlock.celery.messages import requeues_of
 
 
 @pytest.fixture

@@ -6,14 +6,10 @@ import pytest
 from celery.app.task import Context
 
 from celery_redlock import ConfigurationError
+from celery_redlock.calls.decisions import requeue_delay
 from celery_redlock.calls.options import LockOptions, lock_url, resolve, validate_settings
-from celery_redlock.celery.guard import (
-    REQUEUES_HEADER,
-    SELF_HEADER,
-    TaskGuard,
-    requeue_delay,
-    requeues_of,
-)
+from celery_redlock.celery.guard import TaskGuard
+from celery_redlock.celery.messages import REQUEUES_HEADER, SELF_HEADER, requeues_of
 
 
 class FakeTask:

@@ -8,7 +8,8 @@ import pytest
 
 from celery_redlock import ConfigurationError
 from celery_redlock.calls.options import MODES, LockOptions, check_settings, resolve
-from celery_redlock.celery.enqueue import is_canvas, publish_delay, reservation_key
+from celery_redlock.celery.publish import is_canvas, publish_delay
+from celery_redlock.celery.window import reservation_key
 
 
 class FakeTask:

@@ -17,7 +17,7 @@ import redis
 from celery import Celery, chain, group
 
 from celery_redlock import SKIPPED, DuplicateTask, LockError
-from celery_redlock.celery.enqueue import reservation_key
+from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.holder import Holder
 from tests.celery_apps import modes, storm
 from tests.celery_harness import History, wait_until

@@ -1,0 +1,172 @@
+"""What a guarded call does when its lock is refused or its store fails, for every integration.
+
+The rules live here once: a call meeting its own earlier delivery waits, a
+requeue that cannot happen becomes a failure, requeues run out after
+``max_requeues``, and delays back off exponentially with jitter. Each
+integration carries the decision out in its own terms (Celery's ``Ignore``
+and republish, RQ's ``Retry``, a plain function's return value). Nothing here
+imports a framework.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError, ResponseError
+
+from celery_redlock.core.exceptions import LockNotAcquired
+from celery_redlock.core.holder import Refusal
+
+from .options import LockOptions
+
+__all__ = [
+    "Decision",
+    "decide",
+    "gave_up",
+    "log_store_failure",
+    "not_acquired",
+    "requeue_countdown",
+    "requeue_delay",
+]
+
+logger = logging.getLogger(__name__)
+
+SKIP = "skip"
+REQUEUE = "requeue"
+RAISE = "raise"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of a refused acquire.
+
+    Attributes:
+        action: ``"skip"``, ``"requeue"`` or ``"raise"``.
+        own: The key is held by an earlier delivery of this very call: it must
+            wait for it (never skip, never give up), or it would be lost or run twice.
+        gave_up: The call was to be requeued but has used up ``max_requeues``;
+            ``action`` is then ``"raise"``.
+    """
+
+    action: str
+    own: bool = False
+    gave_up: bool = False
+
+
+def decide(
+    refusal: Refusal,
+    call_id: str | None,
+    on_conflict: str,
+    *,
+    requeues: int = 0,
+    max_requeues: int = 0,
+    can_requeue: bool = True,
+) -> Decision:
+    """Decide what a call does after its acquire was refused.
+
+    Args:
+        refusal: Who held the key.
+        call_id: The id of the refused call (a task or job id), if it has one.
+        on_conflict: The call's policy: ``"skip"``, ``"requeue"`` or ``"raise"``
+            (a ``"wait"`` that ran out is a ``"raise"``).
+        requeues: How often this call was requeued so far.
+        max_requeues: How often it may be.
+        can_requeue: Whether this call can be requeued at all (an eager Celery
+            call or a job run outside a worker cannot).
+    """
+    if call_id is not None and refusal.holder_id == call_id:
+        return Decision(REQUEUE, own=True)
+    action = on_conflict if on_conflict in (SKIP, REQUEUE) else RAISE
+    if action == REQUEUE and not can_requeue:
+        action = RAISE
+    if action == REQUEUE and requeues >= max_requeues:
+        return Decision(RAISE, gave_up=True)
+    return Decision(action)
+
+
+def not_acquired(
+    what: str, key: str, refusal: Refusal, kind: str, why: str = ""
+) -> LockNotAcquired:
+    """The error of a call not run because ``refusal``'s holder held ``key``.
+
+    Args:
+        what: The call, as log lines name it (``task add[1f3c]``).
+        key: The lock key.
+        refusal: Who held it.
+        kind: What holders are called in the message (``task``, ``job``, ``call``).
+        why: Appended to the message (e.g. `` within wait_timeout``).
+    """
+    return LockNotAcquired(
+        f"{what} not run: {refusal.describe(kind)} holds {key}{why}",
+        lock_name=key,
+        holder=refusal.holder_id,
+        holder_ttl=refusal.ttl,
+    )
+
+
+def gave_up(
+    what: str,
+    key: str,
+    max_requeues: int,
+    refusal: Refusal,
+    unreachable: RedisError | None = None,
+) -> LockNotAcquired:
+    """The error of a call that used up its requeues (to a holder, or to an unreachable store)."""
+    why = (
+        f"the lock store kept failing for {key} ({unreachable!r})"
+        if unreachable is not None
+        else f"lock {key} stayed held by {refusal.holder_id or 'another holder'}"
+    )
+    error = LockNotAcquired(
+        f"{what} gave up after {max_requeues} requeues: {why}",
+        lock_name=key,
+        holder=refusal.holder_id,
+        holder_ttl=refusal.ttl,
+    )
+    error.__cause__ = unreachable
+    return error
+
+
+def requeue_delay(options: LockOptions, attempt: int, draw: float) -> float:
+    """Return the countdown of requeue number ``attempt`` (1-based).
+
+    Exponential from ``requeue_delay``, capped at ``requeue_max_delay``; up to
+    ``requeue_jitter`` of it is taken off at random (``draw`` in [0, 1)) so that
+    duplicates that collided once do not collide again.
+    """
+    # The exponent is capped: 2**40 times any delay is past every sane cap.
+    delay = min(options.requeue_max_delay, options.requeue_delay * 2 ** min(attempt - 1, 40))
+    return float(delay * (1 - options.requeue_jitter * draw))
+
+
+def requeue_countdown(
+    options: LockOptions, attempt: int, draw: float, decision: Decision, refusal: Refusal
+) -> float:
+    """The delay of a requeue: the backoff, and no longer than an own holder's lock can last.
+
+    A call waiting for its own earlier delivery comes back once that delivery's
+    lock has expired, should the delivery have died.
+    """
+    delay = requeue_delay(options, attempt, draw)
+    if decision.own and refusal.ttl is not None:
+        delay = min(delay, refusal.ttl + 0.1)
+    return delay
+
+
+def log_store_failure(what: str, key: str, exc: RedisError, action: str) -> str:
+    """Log (WARNING) that the lock store failed for ``key``; return how it failed, for messages.
+
+    A server that answered with an error (ACL, wrong type, out of memory) was
+    reached: that needs a different fix than an outage, so the line says which.
+    """
+    failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
+    logger.warning(
+        "%s: lock store %s for %s (%r); %s",
+        what,
+        failure,
+        key,
+        exc,
+        "running WITHOUT the lock" if action == "run" else action,
+    )
+    return failure

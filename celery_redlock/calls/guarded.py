@@ -1,0 +1,145 @@
+"""The guarded call: acquire, resolve a refusal, run, release; once for every integration.
+
+:func:`run_guarded` is the routine that the Celery task guard, RQ jobs and the
+:func:`~celery_redlock.singleton` decorator all drive (its asyncio twin is
+:mod:`celery_redlock.calls.guarded_async`). What differs between them is a
+:class:`Guard`: how a lock is built, what a refused or unreachable call does,
+and what to report. The routine owns the order of events, which is what the
+guarantees rest on: the lease is current (``current_lock()``) exactly while
+the body runs, and the lock is released in the body's ``finally`` whatever
+the body did, before the caller sees its outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from redis.exceptions import RedisError
+
+from celery_redlock.core.exceptions import LockError, LockNotOwned
+from celery_redlock.core.lock import Lease
+
+from .context import holding
+
+__all__ = ["UNPROTECTED", "Call", "Guard", "released", "run_guarded"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call under guard: its lock key, the value its lock will carry, and its name in logs.
+
+    Attributes:
+        key: The lock key.
+        token: The lock value (a :class:`~celery_redlock.core.holder.Holder`, encoded).
+        label: How log lines name the call (``task add[1f3c]``).
+        call_id: The call's id (task or job id), if it has one: a refusal by a
+            holder with the same id is the call's own earlier delivery.
+    """
+
+    key: str
+    token: str
+    label: str
+    call_id: str | None = None
+
+
+class _Unprotected:
+    """The answer of :meth:`Guard.store_failed` that runs the body without a lock."""
+
+    def __repr__(self) -> str:
+        return "UNPROTECTED"
+
+
+#: Returned by :meth:`Guard.store_failed` to run the body without the lock.
+UNPROTECTED: Any = _Unprotected()
+
+
+class Guard(Generic[T]):
+    """What an integration supplies to :func:`run_guarded`.
+
+    Subclasses build the lock (:meth:`new_lock`) and decide what a refused
+    call (:meth:`refused`) and a failed store (:meth:`store_failed`) do: each
+    returns the call's result, or raises. The other hooks default to doing nothing.
+    """
+
+    #: How a lost lock's log line names the holder (``task``, ``job``, ``call``).
+    kind = "call"
+
+    def new_lock(self, call: Call) -> Any:
+        """Build the lock of ``call`` (may raise ``RedisError``: a Cluster client connects)."""
+        raise NotImplementedError
+
+    def refused(self, call: Call, lock: Any) -> T:
+        """Resolve a call whose acquire was refused (``lock.refusal`` says by whom)."""
+        raise NotImplementedError
+
+    def store_failed(self, call: Call, exc: RedisError) -> T:
+        """Resolve a call whose store failed: return its result, :data:`UNPROTECTED`, or raise."""
+        raise exc
+
+    def ran_unprotected(self, call: Call) -> None:
+        """Called after a body that :meth:`store_failed` let run without the lock."""
+
+    def acquired(self, call: Call, lease: Lease) -> None:
+        """Called once the lock is held, before the body runs."""
+
+    def starting(self, call: Call, lease: Lease) -> None:
+        """Called inside the lock, just before the body (may raise to skip the body)."""
+
+    def release(self, call: Call, lock: Any, lease: Lease) -> bool:
+        """Release the lock after the body; return whether it was still the call's."""
+        try:
+            lock.release()
+        except (RedisError, LockError) as exc:
+            return released(lease, self.kind, exc)
+        return released(lease, self.kind)
+
+
+def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
+    """Run ``body`` while holding the lock of ``call``, or let ``guard`` resolve why not."""
+    try:
+        lock = guard.new_lock(call)
+        acquired = lock.acquire(token=call.token)
+    except RedisError as exc:
+        outcome = guard.store_failed(call, exc)
+        if outcome is not UNPROTECTED:
+            return outcome  # type: ignore[no-any-return]
+        try:
+            return body()
+        finally:
+            guard.ran_unprotected(call)
+    if not acquired:
+        return guard.refused(call, lock)  # type: ignore[no-any-return]
+    lease = lock.lease
+    guard.acquired(call, lease)
+    try:
+        with holding(lease):
+            guard.starting(call, lease)
+            return body()
+    finally:
+        guard.release(call, lock, lease)
+
+
+def released(lease: Lease, kind: str, error: BaseException | None = None) -> bool:
+    """Log how a lock's release after its call went; return whether it was still the call's.
+
+    A release that fails never masks the call's outcome: a lock found lost is
+    logged as an ERROR (the call ran part of its time unprotected), a store that
+    could not be reached as a WARNING (the key expires within its TTL).
+    """
+    if isinstance(error, LockNotOwned):
+        logger.error("%s was lost before the %s finished", lease.describe(), kind)
+        return False
+    if error is not None:
+        logger.warning(
+            "%s: release failed (%r); it expires within %ss", lease.describe(), error, lease.ttl
+        )
+    else:
+        logger.debug("%s released", lease.describe())
+    return True

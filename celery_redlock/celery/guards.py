@@ -1,0 +1,38 @@
+"""Which guard runs a task's calls: one per task, queue and process, built on first use."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from celery_redlock.calls.options import resolve
+from celery_redlock.core.store import store_for
+
+from .guard import TaskGuard
+from .window import EnqueueGuard
+
+__all__ = ["guard_for"]
+
+_guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
+
+
+def guard_for(
+    task: Any, queue: str | None = None, queue_options: Mapping[str, Any] | None = None
+) -> TaskGuard:
+    """Return the guard of ``task`` for calls from ``queue``, built on first use in this process.
+
+    Args:
+        task: The task.
+        queue: The locked queue the call came from, if any.
+        queue_options: That queue's entry of ``redlock_queues``.
+    """
+    per_queue = _guards.get(task)
+    if per_queue is None:
+        per_queue = _guards[task] = {}
+    guard = per_queue.get(queue)
+    if guard is None:
+        options = resolve(task, task.app.conf, queue, queue_options)
+        factory = TaskGuard if options.mode == "while_executing" else EnqueueGuard
+        guard = per_queue[queue] = factory(task, options, store_for(task.app), queue)
+    return guard

@@ -1,0 +1,90 @@
+"""One call of a decorated function under its lock: its options and its :class:`Guard`."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from celery_redlock.calls.decisions import decide, log_store_failure, not_acquired
+from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard
+from celery_redlock.core.holder import Holder
+
+__all__ = ["CallOptions", "FunctionGuard"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The validated options of one decorated function."""
+
+    name: str
+    ttl: float
+    on_conflict: str
+    wait_timeout: float | None
+    wait_sleep: float
+    on_redis_error: str
+    skipped: Any
+
+    def call(self, key: str) -> Call:
+        """Describe one call with lock key ``key``: a fresh id names it in the lock and the logs."""
+        call_id = uuid.uuid4().hex
+        return Call(key, Holder.new(call_id).encode(), f"{self.name}[{call_id}]")
+
+
+class FunctionGuard(Guard[Any]):
+    """How a decorated function's call is guarded: skip, raise, or (after a wait) raise.
+
+    Args:
+        options: The function's options.
+        lock_class: :class:`celery_redlock.Lock` or its asyncio twin.
+        client: The Redis client this call locks with.
+    """
+
+    kind = "call"
+
+    def __init__(self, options: CallOptions, lock_class: Any, client: Any) -> None:
+        self.options = options
+        self.lock_class = lock_class
+        self.client = client
+
+    def new_lock(self, call: Call) -> Any:
+        """Build the lock of one call (auto-renewed; blocking only under ``"wait"``)."""
+        options = self.options
+        return self.lock_class(
+            self.client,
+            call.key,
+            timeout=options.ttl,
+            sleep=options.wait_sleep,
+            blocking=options.on_conflict == "wait",
+            blocking_timeout=options.wait_timeout,
+            thread_local=False,
+            auto_renew=True,
+            label=call.label,
+        )
+
+    def refused(self, call: Call, lock: Any) -> Any:
+        """Return ``skipped`` under ``"skip"``; otherwise raise.
+
+        Raises:
+            LockNotAcquired: Under ``"raise"``, and under ``"wait"`` once the wait ran out.
+        """
+        options, refusal = self.options, lock.refusal
+        if decide(refusal, None, options.on_conflict).action == "skip":
+            logger.info(
+                "%s: %s holds lock %s; skip", options.name, refusal.describe("call"), call.key
+            )
+            return options.skipped
+        waited = " within wait_timeout" if options.on_conflict == "wait" else ""
+        raise not_acquired(options.name, call.key, refusal, "call", waited)
+
+    def store_failed(self, call: Call, exc: RedisError) -> Any:
+        """Run without the lock under ``on_redis_error="run"`` (logged); otherwise re-raise."""
+        if self.options.on_redis_error != "run":
+            raise exc
+        log_store_failure(self.options.name, call.key, exc, "run")
+        return UNPROTECTED
