@@ -20,7 +20,7 @@ from typing import Any
 from celery import bootsteps
 from redis.exceptions import RedisError
 
-from celery_redlock.calls.options import check_settings, flag, parse_queues
+from celery_redlock.celery.settings import check_settings, flag, parse_queues
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.inventory import clients_of
 from celery_redlock.core.recovery import lock_prefixes, recover_stale

@@ -112,6 +112,8 @@ class TaskGuard(Guard[Any]):
             records it; without it, the queue the delivery's route names.
     """
 
+    kind = "task"
+
     def __init__(
         self, task: Any, options: LockOptions, store: LockStore, queue: str | None = None
     ) -> None:

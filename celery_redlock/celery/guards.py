@@ -6,7 +6,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from celery_redlock.calls.options import resolve
+from celery_redlock.celery.settings import resolve
 from celery_redlock.core.store import store_for
 
 from .guard import TaskGuard

@@ -18,7 +18,7 @@ from typing import Any
 from celery import signals
 from redis.exceptions import RedisError
 
-from celery_redlock.calls.options import GUARDED_ATTRIBUTE
+from celery_redlock.celery.settings import GUARDED_ATTRIBUTE
 from celery_redlock.core.holder import Holder
 
 from .guards import guard_for

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery_redlock.calls.options import GUARDED_ATTRIBUTE, resolve
+from celery_redlock.celery.settings import GUARDED_ATTRIBUTE, resolve
 from celery_redlock.core.exceptions import ConfigurationError
 
 from .guard import called_inside, guarding

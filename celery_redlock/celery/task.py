@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from celery_redlock.calls.options import check_mode_store, lock_url, resolve, validate_settings
+from celery_redlock.celery.settings import check_mode_store, lock_url, resolve, validate_settings
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
 from . import publish

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from celery_redlock.calls.guarded import run_guarded
-from celery_redlock.calls.options import OPTIONS
+from celery_redlock.calls.options import validate
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 from celery_redlock.core.lock import Lock
@@ -117,7 +117,7 @@ def singleton(
         raise ConfigurationError("func", func, "singleton decorates a function")
     options = CallOptions(
         name=name or f"{func.__module__}.{func.__qualname__}",
-        ttl=OPTIONS["ttl"][0]("ttl", ttl),
+        ttl=validate("ttl", ttl),
         on_conflict=_choice("on_conflict", on_conflict, CONFLICT_ACTIONS),
         wait_timeout=_non_negative("wait_timeout", wait_timeout, allow_none=True),
         wait_sleep=cast(float, _non_negative("wait_sleep", wait_sleep, allow_none=False)),
@@ -129,8 +129,8 @@ def singleton(
     keys = KeyBuilder(
         options.name,
         func,
-        OPTIONS["key"][0]("key", key),
-        OPTIONS["key_prefix"][0]("key_prefix", key_prefix),
+        validate("key", key),
+        validate("key_prefix", key_prefix),
     )
     is_async = inspect.iscoroutinefunction(func)
     clients = ClientResolver(client, url)

@@ -18,7 +18,6 @@ from celery import signals
 from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
-from celery_redlock.calls.options import check_settings, flag, lock_url
 from celery_redlock.celery import control  # noqa: F401  # registers redlock_stats for `celery inspect`
 from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.celery.install import (
@@ -27,6 +26,7 @@ from celery_redlock.celery.install import (
     install,
     worker_options,
 )
+from celery_redlock.celery.settings import check_settings, flag, lock_url
 from celery_redlock.core.exceptions import ConfigurationError
 
 from .commands import COMMANDS

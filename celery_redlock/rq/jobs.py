@@ -44,7 +44,7 @@ from celery_redlock.calls.decisions import (
     requeue_countdown,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
-from celery_redlock.calls.options import OPTIONS, LockOptions
+from celery_redlock.calls.options import LockOptions, OnConflict, OnRedisError, validate
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
@@ -174,15 +174,15 @@ def singleton_job(
     if "{" in job_name or "}" in job_name:
         raise ConfigurationError("name", job_name, "must not contain braces")
     options = LockOptions(
-        ttl=OPTIONS["ttl"][0]("ttl", ttl),
-        key=OPTIONS["key"][0]("key", key),
-        on_conflict=_choice("on_conflict", on_conflict, CONFLICT_ACTIONS),
-        on_redis_error=_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
-        requeue_delay=OPTIONS["requeue_delay"][0]("requeue_delay", requeue_delay),
-        requeue_max_delay=OPTIONS["requeue_max_delay"][0]("requeue_max_delay", requeue_max_delay),
-        requeue_jitter=OPTIONS["requeue_jitter"][0]("requeue_jitter", requeue_jitter),
-        max_requeues=OPTIONS["max_requeues"][0]("max_requeues", max_requeues),
-        key_prefix=OPTIONS["key_prefix"][0]("key_prefix", key_prefix),
+        ttl=validate("ttl", ttl),
+        key=validate("key", key),
+        on_conflict=OnConflict(_choice("on_conflict", on_conflict, CONFLICT_ACTIONS)),
+        on_redis_error=OnRedisError(_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS)),
+        requeue_delay=validate("requeue_delay", requeue_delay),
+        requeue_max_delay=validate("requeue_max_delay", requeue_max_delay),
+        requeue_jitter=validate("requeue_jitter", requeue_jitter),
+        max_requeues=validate("max_requeues", max_requeues),
+        key_prefix=validate("key_prefix", key_prefix),
     )
     if "requeue" in (options.on_conflict, options.on_redis_error) and not _returns_retry():
         raise ConfigurationError(
@@ -258,7 +258,7 @@ class _JobRunner(Guard[Any]):
 
     def store_failed(self, call: Call, exc: RedisError) -> Any:
         """Apply ``on_redis_error``: run without the lock, requeue, or raise."""
-        policy = self.options.on_redis_error
+        policy: str = self.options.on_redis_error
         job = _job_of(call, None)
         if policy == "requeue" and job is None:
             policy = "raise"

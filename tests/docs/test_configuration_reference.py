@@ -1,9 +1,9 @@
 """docs/configuration.md documents every setting and task option the code reads.
 
 The lists come from the code, never from this file: the settings are
-``conf.SETTINGS`` plus every ``redlock_*`` string literal in the package
+``settings.SETTINGS`` plus every ``redlock_*`` string literal in the package
 (scanned with ``ast``), the task options are ``lock_<name>`` for each entry of
-``conf.OPTIONS`` plus every ``lock_*`` attribute ``SingletonTask`` declares.
+``options.OPTIONS`` plus every ``lock_*`` attribute ``SingletonTask`` declares.
 A new setting or option therefore fails this test until it is documented.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import celery_redlock
-from celery_redlock.calls import options as conf
+from celery_redlock.calls import options
+from celery_redlock.celery import settings
 from celery_redlock.celery.install import worker_option
 from celery_redlock.celery.task import SingletonTask
 
@@ -40,11 +41,11 @@ def setting_literals() -> set[str]:
 
 
 def settings_read() -> set[str]:
-    return set(conf.SETTINGS) | setting_literals()
+    return set(settings.SETTINGS) | setting_literals()
 
 
 def task_options() -> set[str]:
-    from_conf = {f"lock_{name}" for name in conf.OPTIONS}
+    from_conf = {f"lock_{name}" for name in options.OPTIONS}
     declared = {
         name
         for name, value in vars(SingletonTask).items()
@@ -65,8 +66,8 @@ def test_the_scan_finds_the_known_settings():
 
 
 def test_every_setting_read_is_a_known_setting():
-    """A ``redlock_*`` name used in the code is in conf.SETTINGS, which validation accepts."""
-    assert setting_literals() <= set(conf.SETTINGS)
+    """A ``redlock_*`` name used in the code is in settings.SETTINGS, which validation accepts."""
+    assert setting_literals() <= set(settings.SETTINGS)
 
 
 @pytest.mark.parametrize("name", sorted(settings_read()))
@@ -95,10 +96,10 @@ def _shown(value: object) -> str:
     return f"`{value}`"
 
 
-@pytest.mark.parametrize("name", sorted(conf.OPTIONS))
+@pytest.mark.parametrize("name", sorted(options.OPTIONS))
 def test_summary_row_shows_the_default(name):
     """The summary table's row of each option shows the default that LockOptions uses."""
-    default = getattr(conf.LockOptions(), name)
+    default = getattr(options.LockOptions(), name)
     rows = [
         line
         for line in REFERENCE.read_text().splitlines()

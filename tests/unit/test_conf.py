@@ -7,9 +7,10 @@ from celery.app.task import Context
 
 from celery_redlock import ConfigurationError
 from celery_redlock.calls.decisions import requeue_delay
-from celery_redlock.calls.options import LockOptions, lock_url, resolve, validate_settings
+from celery_redlock.calls.options import LockOptions
 from celery_redlock.celery.guard import TaskGuard
 from celery_redlock.celery.messages import REQUEUES_HEADER, SELF_HEADER, requeues_of
+from celery_redlock.celery.settings import lock_url, resolve, validate_settings
 
 
 class FakeTask:
@@ -111,7 +112,7 @@ def test_requeue_jitter_takes_off_at_most_its_share():
 
 def test_flag_settings_accept_only_bools():
     """redlock_recover_stale / redlock_stats: a bool or unset; anything else names the setting."""
-    from celery_redlock.calls.options import flag
+    from celery_redlock.celery.settings import flag
 
     assert flag({}, "redlock_stats", True) is True
     assert flag({"redlock_recover_stale": False}, "redlock_recover_stale", True) is False

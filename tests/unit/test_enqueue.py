@@ -7,8 +7,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_redlock import ConfigurationError
-from celery_redlock.calls.options import MODES, LockOptions, check_settings, resolve
+from celery_redlock.calls.options import MODES, LockOptions
 from celery_redlock.celery.publish import is_canvas, publish_delay
+from celery_redlock.celery.settings import check_settings, resolve
 from celery_redlock.celery.window import reservation_key
 
 

@@ -6,8 +6,8 @@ import pytest
 from kombu import Exchange, Queue
 
 from celery_redlock import ConfigurationError
-from celery_redlock.calls.options import parse_queues
 from celery_redlock.celery.queues import QueueLocks
+from celery_redlock.celery.settings import parse_queues
 
 
 def test_default_routing_finds_the_queue_by_name():

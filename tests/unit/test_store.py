@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_redlock import ConfigurationError
-from celery_redlock.calls.options import check_settings, lock_url
+from celery_redlock.celery.settings import check_settings, lock_url
 from celery_redlock.core.store import LockStore, StoreSpec, parse_store
 
 SENTINELS = "sentinel://:pw@s1:26379/3;sentinel://s2:26380;sentinel://s3"

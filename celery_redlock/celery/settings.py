@@ -1,0 +1,261 @@
+"""Celery settings: a task's lock options resolved from its attributes, its queue and the app.
+
+:func:`resolve` applies task attribute ``lock_<name>`` > locked queue entry >
+setting ``redlock_<name>`` (Django users write ``CELERY_REDLOCK_<NAME>``) >
+default, validates each value (see :mod:`celery_redlock.calls.options`) and
+names the setting that supplied a bad one. The app-wide settings
+(``redlock_url``, ``redlock_queues``...) are checked here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict
+from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.store import parse_store, redact_url
+
+__all__ = [
+    "GUARDED_ATTRIBUTE",
+    "PUBLISH_SIDE",
+    "SETTINGS",
+    "check_mode_store",
+    "check_settings",
+    "flag",
+    "lock_url",
+    "parse_queues",
+    "redact_url",
+    "resolve",
+    "validate_settings",
+]
+
+#: Options read in ``apply_async`` by the enqueue modes: a locked queue's entry
+#: cannot set them for such a task (the publisher does not know the queue).
+PUBLISH_SIDE = ("key", "key_prefix", "enqueue_ttl", "on_duplicate")
+
+#: Set on a task class (``SingletonTask``) or a wrapped ``run`` that takes its own lock.
+GUARDED_ATTRIBUTE = "__redlock_guarded__"
+
+#: Every app-wide setting this package reads.
+SETTINGS = frozenset(
+    {
+        "redlock_url",
+        "redlock_queues",
+        "redlock_transport_options",
+        "redlock_recover_stale",
+        "redlock_stats",
+    }
+    | {f"redlock_{name}" for name, option in OPTIONS.items() if option.app_wide}
+)
+
+
+def resolve(
+    task: Any,
+    conf: Mapping[str, Any],
+    queue: str | None = None,
+    queue_options: Mapping[str, Any] | None = None,
+) -> LockOptions:
+    """Resolve and validate the lock options of ``task`` against the app's ``conf``.
+
+    Order: task attribute ``lock_<name>`` > the entry of the locked ``queue``
+    the call came from (``queue_options``) > setting ``redlock_<name>`` > default.
+
+    Raises:
+        ConfigurationError: Naming the task attribute or setting with a bad value.
+    """
+    defaults = LockOptions()
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    unset: set[str] = set()
+    queue_options = queue_options or {}
+    for name, option in OPTIONS.items():
+        value = getattr(task, f"lock_{name}", None)
+        source = f"{task.name}.lock_{name}"
+        if value is None and name in queue_options:
+            value = queue_options[name]
+            source = f"redlock_queues[{queue!r}].{name}"
+        if value is None and option.app_wide:
+            value = conf.get(f"redlock_{name}")
+            source = f"redlock_{name}"
+        values[name] = getattr(defaults, name) if value is None else option.validate(source, value)
+        sources[name] = source
+        if value is None:
+            unset.add(name)
+    if values["mode"] is not Mode.WHILE_EXECUTING and not getattr(task, GUARDED_ATTRIBUTE, False):
+        # A plain task locked by its queue never passes through
+        # SingletonTask.apply_async, so it cannot take an enqueue lock: an
+        # app-wide mode is for SingletonTask; the task's own attribute is an error.
+        if sources["mode"] == f"{task.name}.lock_mode":
+            raise ConfigurationError(
+                sources["mode"],
+                values["mode"],
+                "needs base=SingletonTask: a plain task can only lock while_executing",
+            )
+        values["mode"] = Mode.WHILE_EXECUTING
+    if "on_conflict" in unset and values["mode"] is Mode.UNTIL_AND_WHILE_EXECUTING:
+        # The one waiting copy usually reaches a free worker while the last
+        # one runs; skipping it would drop the call every duplicate folded into.
+        values["on_conflict"] = OnConflict.REQUEUE
+    options = LockOptions(**values)
+    if options.requeue_max_delay < options.requeue_delay:
+        # Name whichever of the two was given most specifically: that is the one to fix.
+        at_fault = "requeue_delay" if "requeue_max_delay" in unset else "requeue_max_delay"
+        other = "requeue_max_delay" if at_fault == "requeue_delay" else "requeue_delay"
+        raise ConfigurationError(
+            sources[at_fault],
+            getattr(options, at_fault),
+            f"must not exceed requeue_max_delay ({options.requeue_max_delay}, from "
+            f"{sources[other]})"
+            if at_fault == "requeue_delay"
+            else f"is below requeue_delay ({options.requeue_delay}, from {sources[other]})",
+        )
+    if (
+        queue is not None
+        and queue_options.get("mode", Mode.WHILE_EXECUTING) != Mode.WHILE_EXECUTING
+    ):
+        # Plain tasks never pass through SingletonTask.apply_async, so a queue
+        # cannot take an enqueue lock for them.
+        raise ConfigurationError(
+            f"redlock_queues[{queue!r}].mode",
+            queue_options["mode"],
+            "a queue can only lock while_executing; set lock_mode on the task",
+        )
+    if queue is not None and options.mode is not Mode.WHILE_EXECUTING:
+        for name in PUBLISH_SIDE:
+            if name in queue_options:
+                # apply_async reserves before any queue is known: a queue entry
+                # changing the key would make the worker look for another one.
+                raise ConfigurationError(
+                    f"redlock_queues[{queue!r}].{name}",
+                    queue_options[name],
+                    f"cannot apply to {task.name} (mode {options.mode}): its enqueue "
+                    f"lock is taken in apply_async, which knows no queue; set lock_{name} "
+                    "on the task",
+                )
+    return options
+
+
+def parse_queues(value: Any, setting: str = "redlock_queues") -> dict[str, dict[str, Any]]:
+    """Read ``redlock_queues`` (or the worker option): queue name -> lock options.
+
+    Accepts a comma-separated string, a list of names, or a mapping of names to
+    option mappings whose keys are the task option names without ``lock_``.
+
+    Raises:
+        ConfigurationError: Naming the setting, the queue and the bad part.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [name.strip() for name in value.split(",") if name.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        value = dict.fromkeys(value)
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            setting, value, "must be a list of queue names or a mapping of queue name -> options"
+        )
+    queues: dict[str, dict[str, Any]] = {}
+    for name, options in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(setting, name, "queue names must be non-empty strings")
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ConfigurationError(
+                f"{setting}[{name!r}]", options, "must be a mapping of options"
+            )
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigurationError(
+                f"{setting}[{name!r}]",
+                unknown,
+                f"unknown option(s); known: {', '.join(OPTIONS)}",
+            )
+        queues[name] = dict(options)
+    return queues
+
+
+def validate_settings(conf: Mapping[str, Any]) -> None:
+    """Reject misspelt ``redlock_*`` settings, which would otherwise be ignored.
+
+    Raises:
+        ConfigurationError: Naming the unknown setting and the known ones.
+    """
+    for name in conf:
+        if isinstance(name, str) and name.lower().startswith("redlock_") and name not in SETTINGS:
+            raise ConfigurationError(
+                name, conf[name], f"is not a setting; known: {', '.join(sorted(SETTINGS))}"
+            )
+
+
+class _QueueEntry:
+    """Stands in for a task when a queue's options are validated on their own.
+
+    It counts as a ``SingletonTask``: the app-wide options it is checked with
+    (``redlock_mode`` above all) are the ones such tasks take.
+    """
+
+    __redlock_guarded__ = True
+
+    def __init__(self, queue: str) -> None:
+        self.name = f"<queue {queue}>"
+
+
+def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Validate every app-wide redlock setting; return the parsed ``redlock_queues``.
+
+    Raises:
+        ConfigurationError: Naming the first bad setting, queue or option.
+    """
+    validate_settings(conf)
+    lock_url(conf)
+    queues = parse_queues(conf.get("redlock_queues"))
+    for name, options in queues.items():
+        resolve(_QueueEntry(name), conf, name, options)
+    check_mode_store("redlock_mode", resolve(_QueueEntry("*"), conf), conf)
+    return queues
+
+
+def flag(conf: Mapping[str, Any], setting: str, default: bool) -> bool:
+    """Read an on/off setting: ``True`` or ``False``, or ``default`` when unset.
+
+    Raises:
+        ConfigurationError: If the setting holds anything but a bool.
+    """
+    value = conf.get(setting)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigurationError(setting, value, "must be True or False")
+    return value
+
+
+def check_mode_store(setting: str, options: LockOptions, conf: Mapping[str, Any]) -> None:
+    """Refuse an enqueue mode on a Redlock store (a list of masters).
+
+    Enqueue locks are handed over to execution locks by single-server scripts;
+    across several independent masters that handover would need a quorum of
+    its own, which is not built.
+
+    Raises:
+        ConfigurationError: Naming ``setting`` (where the mode came from).
+    """
+    if options.mode != "while_executing" and parse_store(conf).topology == "redlock":
+        raise ConfigurationError(
+            setting,
+            options.mode,
+            "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
+            "several masters (Redlock), where only 'while_executing' is supported",
+        )
+
+
+def lock_url(conf: Mapping[str, Any]) -> str:
+    """Check the lock store setting (see :mod:`celery_redlock.core.store`); return its description.
+
+    The description has no password: it is meant for messages and logs.
+
+    Raises:
+        ConfigurationError: If neither ``redlock_url`` nor the broker gives a lock store.
+    """
+    return parse_store(conf).describe()
