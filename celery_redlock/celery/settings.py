@@ -110,10 +110,16 @@ def resolve(
             if at_fault == "requeue_delay"
             else f"is below requeue_delay ({options.requeue_delay}, from {sources[other]})",
         )
-    if (
-        queue is not None
-        and queue_options.get("mode", Mode.WHILE_EXECUTING) != Mode.WHILE_EXECUTING
-    ):
+    if queue is not None:
+        _check_queue_entry(task.name, options, queue, queue_options)
+    return options
+
+
+def _check_queue_entry(
+    task_name: str, options: LockOptions, queue: str, queue_options: Mapping[str, Any]
+) -> None:
+    """Refuse a locked queue's entry that cannot apply to this task's lock window."""
+    if queue_options.get("mode", Mode.WHILE_EXECUTING) != Mode.WHILE_EXECUTING:
         # Plain tasks never pass through SingletonTask.apply_async, so a queue
         # cannot take an enqueue lock for them.
         raise ConfigurationError(
@@ -121,19 +127,19 @@ def resolve(
             queue_options["mode"],
             "a queue can only lock while_executing; set lock_mode on the task",
         )
-    if queue is not None and options.mode is not Mode.WHILE_EXECUTING:
-        for name in PUBLISH_SIDE:
-            if name in queue_options:
-                # apply_async reserves before any queue is known: a queue entry
-                # changing the key would make the worker look for another one.
-                raise ConfigurationError(
-                    f"redlock_queues[{queue!r}].{name}",
-                    queue_options[name],
-                    f"cannot apply to {task.name} (mode {options.mode}): its enqueue "
-                    f"lock is taken in apply_async, which knows no queue; set lock_{name} "
-                    "on the task",
-                )
-    return options
+    if options.mode is Mode.WHILE_EXECUTING:
+        return
+    for name in PUBLISH_SIDE:
+        if name in queue_options:
+            # apply_async reserves before any queue is known: a queue entry
+            # changing the key would make the worker look for another one.
+            raise ConfigurationError(
+                f"redlock_queues[{queue!r}].{name}",
+                queue_options[name],
+                f"cannot apply to {task_name} (mode {options.mode}): its enqueue "
+                f"lock is taken in apply_async, which knows no queue; set lock_{name} "
+                "on the task",
+            )
 
 
 def parse_queues(value: Any, setting: str = "redlock_queues") -> dict[str, dict[str, Any]]:
