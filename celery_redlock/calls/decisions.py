@@ -154,14 +154,18 @@ def requeue_countdown(
     return delay
 
 
-def log_store_failure(what: str, key: str, exc: RedisError, action: str) -> str:
-    """Log (WARNING) that the lock store failed for ``key``; return how it failed, for messages.
+def log_store_failure(
+    what: str, key: str, exc: RedisError, action: str, log: logging.Logger = logger
+) -> str:
+    """Log (WARNING, on the integration's ``log``) that the lock store failed for ``key``.
+
+    Returns how it failed, for error messages.
 
     A server that answered with an error (ACL, wrong type, out of memory) was
     reached: that needs a different fix than an outage, so the line says which.
     """
     failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
-    logger.warning(
+    log.warning(
         "%s: lock store %s for %s (%r); %s",
         what,
         failure,

@@ -24,7 +24,7 @@ from celery_redlock.core.lock import Lease
 
 from .context import holding
 
-__all__ = ["UNPROTECTED", "Call", "Guard", "released", "run_guarded"]
+__all__ = ["UNPROTECTED", "Call", "Guard", "Releasing", "run_guarded", "run_unprotected"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class Guard(Generic[T]):
 
     #: How a lost lock's log line names the holder (``task``, ``job``, ``call``).
     kind = "call"
+    #: Where the routine logs: the integration's own logger, so its users configure one.
+    log = logger
 
     def new_lock(self, call: Call) -> Any:
         """Build the lock of ``call`` (may raise ``RedisError``: a Cluster client connects)."""
@@ -94,11 +96,10 @@ class Guard(Generic[T]):
 
     def release(self, call: Call, lock: Any, lease: Lease) -> bool:
         """Release the lock after the body; return whether it was still the call's."""
-        try:
+        outcome = Releasing(lease, self.kind, self.log)
+        with outcome:
             lock.release()
-        except (RedisError, LockError) as exc:
-            return released(lease, self.kind, exc)
-        return released(lease, self.kind)
+        return outcome.owned
 
 
 def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
@@ -107,13 +108,7 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         lock = guard.new_lock(call)
         acquired = lock.acquire(token=call.token)
     except RedisError as exc:
-        outcome = guard.store_failed(call, exc)
-        if outcome is not UNPROTECTED:
-            return outcome  # type: ignore[no-any-return]
-        try:
-            return body()
-        finally:
-            guard.ran_unprotected(call)
+        return run_unprotected(guard, call, exc, body)
     if not acquired:
         return guard.refused(call, lock)  # type: ignore[no-any-return]
     lease = lock.lease
@@ -126,20 +121,46 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         guard.release(call, lock, lease)
 
 
-def released(lease: Lease, kind: str, error: BaseException | None = None) -> bool:
-    """Log how a lock's release after its call went; return whether it was still the call's.
+def run_unprotected(guard: Guard[Any], call: Call, exc: RedisError, body: Callable[[], T]) -> T:
+    """After a store failure: :meth:`Guard.store_failed`'s outcome, or ``body`` without a lock."""
+    outcome = guard.store_failed(call, exc)
+    if outcome is not UNPROTECTED:
+        return outcome  # type: ignore[no-any-return]
+    try:
+        return body()
+    finally:
+        guard.ran_unprotected(call)
 
-    A release that fails never masks the call's outcome: a lock found lost is
-    logged as an ERROR (the call ran part of its time unprotected), a store that
-    could not be reached as a WARNING (the key expires within its TTL).
+
+class Releasing:
+    """Wraps a lock's release after its call; ``owned`` says whether it was still the call's.
+
+    A release that fails never masks the call's outcome: the ``with`` block
+    swallows the failure after logging it, a lock found lost as an ERROR (the
+    call ran part of its time unprotected), a store that could not be reached
+    as a WARNING (the key expires within its TTL).
     """
-    if isinstance(error, LockNotOwned):
-        logger.error("%s was lost before the %s finished", lease.describe(), kind)
-        return False
-    if error is not None:
-        logger.warning(
-            "%s: release failed (%r); it expires within %ss", lease.describe(), error, lease.ttl
-        )
-    else:
-        logger.debug("%s released", lease.describe())
-    return True
+
+    def __init__(self, lease: Lease, kind: str, log: logging.Logger = logger) -> None:
+        self.lease = lease
+        self.kind = kind
+        self.log = log
+        self.owned = True
+
+    def __enter__(self) -> Releasing:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        lease = self.lease
+        if isinstance(error, LockNotOwned):
+            self.owned = False
+            self.log.error("%s was lost before the %s finished", lease.describe(), self.kind)
+        elif isinstance(error, (RedisError, LockError)):
+            self.log.warning(
+                "%s: release failed (%r); it expires within %ss", lease.describe(), error, lease.ttl
+            )
+        elif error is None:
+            self.log.debug("%s released", lease.describe())
+        else:
+            return False  # anything else is a bug: let it through
+        return True

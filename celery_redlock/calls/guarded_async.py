@@ -13,10 +13,8 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from celery_redlock.core.exceptions import LockError
-
 from .context import holding
-from .guarded import UNPROTECTED, Call, Guard, released
+from .guarded import UNPROTECTED, Call, Guard, Releasing
 
 __all__ = ["run_guarded_async"]
 
@@ -45,9 +43,5 @@ async def run_guarded_async(guard: Guard[Any], call: Call, body: Callable[[], Aw
             guard.starting(call, lease)
             return await body()
     finally:
-        try:
+        with Releasing(lease, guard.kind, guard.log):
             await lock.release()
-        except (RedisError, LockError) as exc:
-            released(lease, guard.kind, exc)
-        else:
-            released(lease, guard.kind)

@@ -113,6 +113,7 @@ class TaskGuard(Guard[Any]):
     """
 
     kind = "task"
+    log = logger
 
     def __init__(
         self, task: Any, options: LockOptions, store: LockStore, queue: str | None = None
@@ -399,7 +400,7 @@ class TaskGuard(Guard[Any]):
     def store_failed(self, call: Call, exc: RedisError) -> Any:
         """Apply ``on_redis_error``: run without the lock, requeue, or raise :class:`LockError`."""
         policy = self.options.on_redis_error
-        failure = log_store_failure(call.label, call.key, exc, policy)
+        failure = log_store_failure(call.label, call.key, exc, policy, self.log)
         if policy == "run":
             return UNPROTECTED
         if policy == "requeue":

@@ -20,7 +20,7 @@ from typing import Any, NoReturn, TypeVar
 from redis.exceptions import RedisError
 
 from celery_redlock.calls.decisions import Decision
-from celery_redlock.calls.guarded import UNPROTECTED, Call
+from celery_redlock.calls.guarded import UNPROTECTED, Call, run_unprotected
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
@@ -172,13 +172,7 @@ class EnqueueGuard(TaskGuard):
         try:
             reply = DEQUEUE(self.client, (rkey,), (value or "",))
         except RedisError as exc:
-            outcome = self.store_failed(call, exc)
-            if outcome is not UNPROTECTED:
-                return outcome  # type: ignore[no-any-return]
-            try:
-                return body()
-            finally:
-                self.ran_unprotected(call)
+            return run_unprotected(self, call, exc, body)
         if value and reply != 1:
             # This call was reserved; a newer copy's reservation (if any) is
             # not a reason to drop it, and this mode has no execution lock.

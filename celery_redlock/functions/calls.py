@@ -46,6 +46,7 @@ class FunctionGuard(Guard[Any]):
     """
 
     kind = "call"
+    log = logger
 
     def __init__(self, options: CallOptions, lock_class: Any, client: Any) -> None:
         self.options = options
@@ -86,5 +87,5 @@ class FunctionGuard(Guard[Any]):
         """Run without the lock under ``on_redis_error="run"`` (logged); otherwise re-raise."""
         if self.options.on_redis_error != "run":
             raise exc
-        log_store_failure(self.options.name, call.key, exc, "run")
+        log_store_failure(self.options.name, call.key, exc, "run", self.log)
         return UNPROTECTED

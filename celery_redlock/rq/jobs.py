@@ -211,6 +211,7 @@ class _JobRunner(Guard[Any]):
     """Runs the executions of one job function under their locks."""
 
     kind = "job"
+    log = logger
 
     def __init__(
         self, func: Callable[..., Any], name: str, options: LockOptions, skipped: Any, client: Any
@@ -262,7 +263,7 @@ class _JobRunner(Guard[Any]):
         job = _job_of(call, None)
         if policy == "requeue" and job is None:
             policy = "raise"
-        log_store_failure(call.label, call.key, exc, policy)
+        log_store_failure(call.label, call.key, exc, policy, self.log)
         if policy == "run":
             return UNPROTECTED
         if policy == "requeue":
