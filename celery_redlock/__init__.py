@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .calls.context import current_lock
-    from .celery.guard import SKIPPED
     from .celery.install import install
+    from .celery.result import SKIPPED
     from .celery.task import SingletonTask
     from .core.exceptions import (
         ConfigurationError,
+        DuplicateSkipped,
         DuplicateTask,
         LockError,
         LockKeyError,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SKIPPED",
     "ConfigurationError",
+    "DuplicateSkipped",
     "DuplicateTask",
     "Lease",
     "Lock",
@@ -66,7 +68,7 @@ __version__ = "0.1.0.dev0"
 
 #: Where each public name lives; importing the package loads none of them.
 _HOMES = {
-    "SKIPPED": "celery.guard",
+    "SKIPPED": "celery.result",
     "SingletonTask": "celery.task",
     "install": "celery.install",
     "current_lock": "calls.context",
@@ -81,6 +83,7 @@ _HOMES = {
     **dict.fromkeys(
         (
             "ConfigurationError",
+            "DuplicateSkipped",
             "DuplicateTask",
             "LockError",
             "LockKeyError",

@@ -40,9 +40,9 @@ from celery_redlock.core.store import LockStore
 
 from . import signals
 from .messages import REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
+from .result import SKIPPED
 
 __all__ = [
-    "SKIPPED",
     "TaskGuard",
     "called_inside",
     "current_lock",
@@ -52,9 +52,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Task state recorded for a call skipped because a duplicate held the lock.
-#: Not a ready state: ``AsyncResult.get()`` keeps waiting; read ``.state``/``.info``.
-SKIPPED = "SKIPPED"
 
 #: Seconds such a copy, once it holds the lock, waits for the earlier delivery's
 #: result to appear before running the task itself.

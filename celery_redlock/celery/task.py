@@ -14,6 +14,7 @@ from . import publish
 from .guard import called_inside, guarding
 from .guards import guard_for
 from .queues import locked_queue
+from .result import SingletonResult
 
 __all__ = ["SingletonTask"]
 
@@ -130,6 +131,12 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             return super(SingletonTask, self).apply_async(args, kwargs, task_id, **options)
 
         return publish.apply_async(guard, send, args, kwargs, task_id, options)
+
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> SingletonResult:  # noqa: N802  # Celery's name
+        """The result of a call: like Celery's, and ``get()`` ends for a skipped duplicate."""
+        return SingletonResult(
+            task_id, backend=self.backend, task_name=self.name, app=self._get_app(), **kwargs
+        )
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """Return the lock key a call with these arguments would take.

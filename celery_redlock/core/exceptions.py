@@ -14,6 +14,7 @@ from redis import exceptions as redis_exceptions
 
 __all__ = [
     "ConfigurationError",
+    "DuplicateSkipped",
     "DuplicateTask",
     "LockError",
     "LockKeyError",
@@ -26,6 +27,11 @@ __all__ = [
 
 class RedlockError(Exception):
     """Base class of every error raised by celery-redlock."""
+
+    def __repr__(self) -> str:
+        # redis-py 8 gives its errors a repr of only "server:ClassName", which
+        # is what Celery's "raised unexpected" log line prints: say what happened.
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class ConfigurationError(RedlockError, ValueError):
@@ -113,6 +119,31 @@ class DuplicateTask(LockNotAcquired):
         holder_ttl: float | None = None,
     ) -> None:
         super().__init__(message, lock_name=lock_name, holder=task_id, holder_ttl=holder_ttl)
+        self.task_id = task_id
+
+
+class DuplicateSkipped(LockNotAcquired):
+    """``AsyncResult.get()`` of a task call that was skipped as a duplicate.
+
+    The call never ran: another call with the same key held the lock
+    (``lock_on_conflict="skip"``). Its state stays ``SKIPPED`` in the result
+    backend; ``get()`` raises this at once instead of waiting for a result
+    that will never come.
+
+    Attributes:
+        task_id: The id of the skipped call.
+        holder: The id of the call that held the lock, when it was recorded.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        lock_name: str | None = None,
+        *,
+        task_id: str | None = None,
+        holder: str | None = None,
+    ) -> None:
+        super().__init__(message, lock_name=lock_name, holder=holder)
         self.task_id = task_id
 
 

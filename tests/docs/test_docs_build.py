@@ -63,7 +63,7 @@ def test_api_reference_is_generated_from_docstrings(site):
     html = (out / "api.html").read_text()
     for name in (
         "celery.task.SingletonTask",
-        "celery.guard.current_lock",
+        "calls.context.current_lock",
         "core.lock.Lock.acquire",
         "core.redlock.Redlock",
         "core.exceptions.LockNotAcquired",

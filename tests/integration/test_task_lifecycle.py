@@ -18,7 +18,14 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 
-from celery_redlock import SKIPPED, LockError, LockNotAcquired, SingletonTask, current_lock
+from celery_redlock import (
+    SKIPPED,
+    DuplicateSkipped,
+    LockError,
+    LockNotAcquired,
+    SingletonTask,
+    current_lock,
+)
 from celery_redlock.celery import signals as redlock_signals
 from celery_redlock.celery.messages import requeues_of
 
@@ -204,6 +211,35 @@ def test_skip_records_a_distinct_state_naming_the_holder(make_app, redis_server)
         finish.set()
         assert first.get(timeout=10) == 7
         assert other.get(timeout=10) == 8
+
+
+def test_get_of_a_skipped_duplicate_raises_at_once_naming_the_holder(make_app):
+    """.get() on a SKIPPED call raises DuplicateSkipped instead of waiting out its timeout."""
+    app = make_app()
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=SingletonTask, name="t.hold_for_get")
+    def hold(x):
+        started.set()
+        finish.wait(20)
+        return x
+
+    with worker(app):
+        first = hold.delay(1)
+        assert started.wait(10)
+        second = hold.delay(1)
+        # The timeout is far beyond the test's own bound: only a prompt answer passes.
+        with pytest.raises(DuplicateSkipped) as skipped:
+            second.get(timeout=600)
+        assert second.state == SKIPPED  # still visible as such to Flower and .state
+        assert skipped.value.holder == first.id
+        assert skipped.value.task_id == second.id
+        assert skipped.value.lock_name == hold.lock_key_for(1)
+        assert first.id in str(skipped.value)
+        returned = second.get(timeout=600, propagate=False)
+        assert isinstance(returned, DuplicateSkipped)
+        finish.set()
+        assert first.get(timeout=10) == 1
 
 
 def test_raise_fails_with_lock_not_acquired_naming_the_holder(make_app):
