@@ -9,10 +9,11 @@ names the setting that supplied a bad one. The app-wide settings
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict
+from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict, closest_option
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.store import parse_store, redact_url
 
@@ -27,6 +28,8 @@ __all__ = [
     "parse_queues",
     "redact_url",
     "resolve",
+    "task_option",
+    "unknown_task_options",
     "validate_settings",
 ]
 
@@ -50,6 +53,39 @@ SETTINGS = frozenset(
 )
 
 
+def task_option(task: Any, attribute: str) -> Any:
+    """Read option ``attribute`` of a task as the user gave it (``None`` when unset).
+
+    ``@app.task(lock_key=lambda args, kwargs: ...)`` makes the function a class
+    attribute, so plain ``getattr`` on the task would hand back a bound method
+    taking the task as a third argument. The raw attribute is read instead (a
+    ``staticmethod`` or ``classmethod`` given on purpose is honoured).
+    """
+    try:
+        value = inspect.getattr_static(task, attribute)
+    except AttributeError:
+        return None
+    if isinstance(value, (staticmethod, classmethod)):
+        return getattr(task, attribute)
+    return value
+
+
+def unknown_task_options(task: Any) -> list[tuple[str, str | None]]:
+    """The ``lock_*`` attributes of ``task`` that name no option, each with the closest valid name.
+
+    ``lock_key_for`` is a method of the task class, not an option.
+    """
+    known = {f"lock_{name}" for name in OPTIONS} | {"lock_key_for"}
+    found = []
+    for klass in type(task).__mro__ if not isinstance(task, type) else task.__mro__:
+        for attribute in vars(klass):
+            if attribute.startswith("lock_") and attribute not in known:
+                found.append(
+                    (attribute, closest_option(attribute, sorted(known - {"lock_key_for"})))
+                )
+    return sorted(set(found))
+
+
 def resolve(
     task: Any,
     conf: Mapping[str, Any],
@@ -70,7 +106,7 @@ def resolve(
     unset: set[str] = set()
     queue_options = queue_options or {}
     for name, option in OPTIONS.items():
-        value = getattr(task, f"lock_{name}", None)
+        value = task_option(task, f"lock_{name}")
         source = f"{task.name}.lock_{name}"
         if value is None and name in queue_options:
             value = queue_options[name]

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from celery_redlock.celery.settings import check_mode_store, lock_url, resolve, validate_settings
+from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
 from . import publish
@@ -15,6 +15,13 @@ from .guard import called_inside, guarding
 from .guards import guard_for
 from .queues import locked_queue
 from .result import SingletonResult
+from .settings import (
+    check_mode_store,
+    lock_url,
+    resolve,
+    unknown_task_options,
+    validate_settings,
+)
 
 __all__ = ["SingletonTask"]
 
@@ -79,6 +86,13 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         hooks.connect()
         conf = app.conf
         validate_settings(conf)
+        for attribute, closest in unknown_task_options(cls):
+            hint = f"; did you mean {closest}?" if closest else ""
+            raise ConfigurationError(
+                f"{cls.name}.{attribute}",
+                getattr(cls, attribute),
+                f"is not a lock option of SingletonTask{hint}",
+            )
         options = resolve(cls, conf)
         lock_url(conf)
         mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"

@@ -36,4 +36,3 @@ def test_skipped_duplicates_are_lock_not_acquired_errors():
     error = DuplicateSkipped("skipped", lock_name="k", task_id="1", holder="2")
     assert isinstance(error, LockNotAcquired)
     assert (error.task_id, error.holder, error.lock_name) == ("1", "2", "k")
-

@@ -1,0 +1,77 @@
+"""Task options given in @app.task(...) work as documented: callables stay callables, typos fail."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_redlock import SKIPPED, ConfigurationError, SingletonTask
+
+
+def new_app(redis_url: str) -> Celery:
+    app = Celery(f"options-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.update(
+        broker_url=redis_url,
+        result_backend=redis_url,
+        task_default_queue=f"q-{uuid.uuid4().hex[:8]}",
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=False,
+        redlock_url=redis_url,
+    )
+    return app
+
+
+def test_a_callable_lock_key_given_in_the_decorator_is_called_with_args_and_kwargs(redis_server):
+    app = new_app(redis_server.url)
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(
+        base=SingletonTask,
+        name="opts.per_account",
+        lock_key=lambda args, kwargs: f"account:{args[0]}",
+    )
+    def per_account(account, amount):
+        started.set()
+        finish.wait(10)
+        return amount
+
+    # Celery makes decorator keywords class attributes: a plain function would
+    # become a method taking the task as a third argument.
+    assert per_account.lock_key_for(7, 1) == per_account.lock_key_for(7, 2)
+    assert per_account.lock_key_for(7, 1) != per_account.lock_key_for(8, 1)
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        first = per_account.delay(7, 1)
+        assert started.wait(10)
+        second = per_account.delay(7, 2)  # same account, other amount: a duplicate
+        while second.state not in (SKIPPED, "SUCCESS", "FAILURE"):
+            threading.Event().wait(0.05)
+        assert second.state == SKIPPED
+        finish.set()
+        assert first.get(timeout=10) == 1
+
+
+@pytest.mark.parametrize(
+    ("misspelt", "closest"),
+    [("lock_tll", "lock_ttl"), ("lock_on_conflcit", "lock_on_conflict"), ("lock_whatever", None)],
+)
+def test_a_misspelt_lock_option_fails_when_the_task_is_bound(misspelt, closest):
+    app = Celery(f"typo-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.redlock_url = "redis://127.0.0.1:6379/0"
+
+    @app.task(base=SingletonTask, name="opts.typo", **{misspelt: 5})
+    def typo():
+        return 1
+
+    with pytest.raises(ConfigurationError) as error:
+        app.finalize()
+    assert error.value.setting == f"opts.typo.{misspelt}"
+    message = str(error.value)
+    assert "is not a lock option of SingletonTask" in message
+    if closest:
+        assert f"did you mean {closest}?" in message
+    else:
+        assert "did you mean" not in message
