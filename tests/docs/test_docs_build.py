@@ -62,11 +62,11 @@ def test_api_reference_is_generated_from_docstrings(site):
     out, _ = site
     html = (out / "api.html").read_text()
     for name in (
-        "task.SingletonTask",
-        "guard.current_lock",
-        "lock.Lock.acquire",
-        "redlock.Redlock",
-        "exceptions.LockNotAcquired",
+        "celery.task.SingletonTask",
+        "celery.guard.current_lock",
+        "core.lock.Lock.acquire",
+        "core.redlock.Redlock",
+        "core.exceptions.LockNotAcquired",
     ):
         assert f'id="celery_redlock.{name}"' in html, name
     # A sentence from SingletonTask's docstring and one from the #: comment of SKIPPED.
