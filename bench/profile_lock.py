@@ -30,7 +30,7 @@ import redis
 from lock_bench import RAW_RELEASE_LUA, TTL_MS, TTL_SECONDS, private_redis_server
 
 import celery_redlock
-from celery_redlock.core.lock import Lease
+from celery_redlock.core.lease import Lease
 from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
 TOKEN = secrets.token_hex(16).encode()

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
         QuorumNotAchieved,
         RedlockError,
     )
-    from .core.lock import Lease, Lock, fence_key_for
+    from .core.lease import Lease
+    from .core.lock import Lock
+    from .core.lock_options import fence_key_for
     from .core.redlock import Redlock, RedlockLease
     from .core.renewal import Watchdog, default_watchdog
     from .functions.decorator import singleton
@@ -73,9 +75,9 @@ _HOMES = {
     "install": "celery.install",
     "current_lock": "calls.context",
     "singleton": "functions.decorator",
-    "Lease": "core.lock",
+    "Lease": "core.lease",
     "Lock": "core.lock",
-    "fence_key_for": "core.lock",
+    "fence_key_for": "core.lock_options",
     "Redlock": "core.redlock",
     "RedlockLease": "core.redlock",
     "Watchdog": "core.renewal",

@@ -26,19 +26,17 @@ import time
 import weakref
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 from redis.exceptions import RedisError
 
 from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
 from celery_redlock.core.holder import Refusal
-from celery_redlock.core.lock import (
-    DEFAULT_DRIFT_FACTOR,
+from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
+from celery_redlock.core.lock_options import (
     DEFAULT_FENCE_RETENTION,
-    Clock,
-    Lease,
     LockSettings,
-    LostCallback,
+    Number,
     positive_seconds,
 )
 from celery_redlock.core.scripts import ACQUIRE, RELEASE, RENEW
@@ -51,7 +49,6 @@ __all__ = ["Lock"]
 
 logger = logging.getLogger(__name__)
 
-Number = Union[int, float]
 _LockT = TypeVar("_LockT", bound="Lock")
 
 

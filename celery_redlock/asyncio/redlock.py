@@ -66,7 +66,8 @@ from celery_redlock.core.exceptions import (
     QuorumNotAchieved,
 )
 from celery_redlock.core.fanout import NOT_ASKED, PENDING
-from celery_redlock.core.lock import Lease, Number
+from celery_redlock.core.lease import Lease
+from celery_redlock.core.lock_options import Number
 from celery_redlock.core.nodes import node_address
 from celery_redlock.core.quorum import Votes, check_node_timeout, lost_vote
 from celery_redlock.core.redlock import ATTEMPT_SEPARATOR

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
-from celery_redlock.core.lock import Lease
+from celery_redlock.core.lease import Lease
 from celery_redlock.core.scripts import RENEW
 
 from .scripts import run_script

@@ -240,5 +240,6 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
             stats.disable(app, SPAWN_STATS_WARNING)
         elif counting:
             self.stats = stats.enable(app, _pool_size(worker))
+        control.register()
         logger.debug("celery-redlock: %s command registered", control.STATS_COMMAND)
         self.recovered = recover_at_start(app, worker.hostname) if recover else 0

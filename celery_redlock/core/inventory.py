@@ -17,7 +17,7 @@ from typing import Any
 
 from .holder import Holder
 from .keys import KEY_VERSION
-from .lock import fence_key_for
+from .lock_options import fence_key_for
 
 __all__ = [
     "LockInfo",

@@ -4,16 +4,18 @@ Internal to :mod:`celery_redlock.core.redlock`. A :class:`Node` keeps private
 connections to one master, with socket timeouts bounded by the node timeout and
 no client-side retries. Connections are opened on a process-wide thread pool
 (created on first use and again after ``fork()``), so a master that hangs
-while connecting costs the caller nothing.
+while connecting costs the caller nothing. The fork hook that resets this
+state is registered with the first node, and the registry that shares nodes
+between Redlocks keeps a bounded number of them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -22,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from .forks import in_forked_children
 from .scripts import RELEASE, Arg, Script
 
 __all__ = ["Connected", "Master", "Node", "Request", "Template", "bounded_client", "node_for"]
@@ -39,6 +42,10 @@ MAX_JOBS = 4
 MAX_OWED = 4
 #: Threads of the process-wide pool that connects to masters.
 POOL_THREADS = 32
+#: Master URLs whose connection pool the registry keeps (least recently used go first).
+MAX_URL_POOLS = 64
+#: Nodes the registry keeps per pool, one per node timeout (least recently used go first).
+MAX_NODES_PER_POOL = 8
 # -- process-wide state, reset in a forked child -----------------------------------
 
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -51,6 +58,7 @@ _generation = 0
 def _background() -> concurrent.futures.ThreadPoolExecutor:
     global _executor
     if _executor is None:
+        in_forked_children(_after_fork_in_child)
         with _executor_guard:
             if _executor is None:
                 _executor = concurrent.futures.ThreadPoolExecutor(
@@ -68,9 +76,6 @@ def _after_fork_in_child() -> None:
     _executor_guard = threading.Lock()
     _registry_guard = threading.Lock()
     _generation += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _bounded_kwargs(pool: Any, timeout: float) -> dict[str, Any] | None:
@@ -353,6 +358,8 @@ class Node:
         kwargs: dict[str, Any] | None = None,
         server: str | None = None,
     ) -> None:
+        # Before the first connection: a forked child must drop them all.
+        in_forked_children(_after_fork_in_child)
         self.name = name
         # The server itself, without the database: two databases of one server
         # are one master, whose failure takes both.
@@ -507,9 +514,24 @@ class Node:
 _registry_guard = threading.Lock()
 # Nodes are shared by every Redlock on the same pool (or URL) and node timeout,
 # so short-lived Redlock objects reuse connections. A node keeps no reference to
-# the pool, so the weak key can go when the application drops its client.
-_nodes: weakref.WeakKeyDictionary[Any, dict[float, Node]] = weakref.WeakKeyDictionary()
-_url_pools: dict[str, Any] = {}
+# the pool, so the weak key can go when the application drops its client. A
+# node the registry forgets lives on with the Redlocks that use it.
+_nodes: weakref.WeakKeyDictionary[Any, OrderedDict[float, Node]] = weakref.WeakKeyDictionary()
+# Pools of masters given as URLs: the keys of their nodes, and where their
+# connection options come from. Their own connections are never used.
+_url_pools: OrderedDict[str, Any] = OrderedDict()
+
+
+def _url_pool(url: str) -> Any:
+    pool = _url_pools.get(url)
+    if pool is None:
+        pool = _url_pools[url] = redis.ConnectionPool.from_url(url)
+        if len(_url_pools) > MAX_URL_POOLS:
+            _, evicted = _url_pools.popitem(last=False)
+            evicted.disconnect()
+    else:
+        _url_pools.move_to_end(url)
+    return pool
 
 
 def node_for(master: Master, timeout: float) -> Node:
@@ -518,11 +540,12 @@ def node_for(master: Master, timeout: float) -> Node:
     Clients whose connections can be polled share one node per pool; others get
     a node of their own that runs requests through the client on the thread pool.
     """
+    # Before taking the registry's lock: a child forked while another thread
+    # holds it gets a new one.
+    in_forked_children(_after_fork_in_child)
     with _registry_guard:
         if isinstance(master, str):
-            pool = _url_pools.get(master)
-            if pool is None:
-                pool = _url_pools[master] = redis.ConnectionPool.from_url(master)
+            pool = _url_pool(master)
             client: Any = redis.Redis(connection_pool=pool)
         else:
             client = master
@@ -536,7 +559,9 @@ def node_for(master: Master, timeout: float) -> Node:
             else:
                 name, server = node_address(kwargs), server_address(kwargs)
             return Node(name, timeout, client=bounded_client(client, timeout), server=server)
-        by_timeout = _nodes.setdefault(pool, {})
+        by_timeout = _nodes.get(pool)
+        if by_timeout is None:
+            by_timeout = _nodes[pool] = OrderedDict()
         node = by_timeout.get(timeout)
         if node is None:
             node = by_timeout[timeout] = Node(
@@ -546,4 +571,8 @@ def node_for(master: Master, timeout: float) -> Node:
                 kwargs=kwargs,
                 server=server_address(kwargs),
             )
+            if len(by_timeout) > MAX_NODES_PER_POOL:
+                by_timeout.popitem(last=False)
+        else:
+            by_timeout.move_to_end(timeout)
         return node

@@ -33,7 +33,9 @@ from .exceptions import (
     QuorumNotAchieved,
 )
 from .fanout import PENDING, Round
-from .lock import Lease, Lock, Number
+from .lease import Lease
+from .lock import Lock
+from .lock_options import Number
 from .nodes import Master, Request, Template, bounded_client, node_for
 from .quorum import Masters, Votes, check_node_timeout
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire

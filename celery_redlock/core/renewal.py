@@ -27,7 +27,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from .lock import Clock, Lease
+from .lease import Clock, Lease
 from .nodes import bounded_client
 from .scripts import RENEW
 

@@ -11,7 +11,6 @@ case the first send ran and only its reply was lost (see :class:`Script`).
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -20,6 +19,8 @@ from typing import Any, Optional, Union
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+
+from .forks import in_forked_children
 
 __all__ = [
     "ACQUIRE",
@@ -100,7 +101,10 @@ def _forget_reserved() -> None:
     _reserved.clear()
 
 
-os.register_at_fork(after_in_child=_forget_reserved)
+def _reserve(pool: Any) -> _Reserved:
+    # The fork hook comes first, so every reservation has one to forget it.
+    in_forked_children(_forget_reserved)
+    return _reserved.setdefault(pool, _Reserved())
 
 
 def _reconnect_if_closed(connection: Any) -> None:
@@ -178,7 +182,7 @@ class Script:
         if _spares_a_connection(pool):
             reserved = _reserved.get(pool)
             if reserved is None:
-                reserved = _reserved.setdefault(pool, _Reserved())
+                reserved = _reserve(pool)
             if reserved.busy.acquire(blocking=False):
                 try:
                     if reserved.connection is None:

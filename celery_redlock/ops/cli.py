@@ -1,11 +1,13 @@
 """The ``celery redlock`` commands, and the ``--redlock-queues`` and ``--redlock-recover`` options.
 
-Celery loads this module through the ``celery.commands`` entry point whenever
-the ``celery`` program starts, before it loads the app. It then adds the
-worker options to ``celery worker`` and installs celery-redlock in any worker
-started with one of them or with ``redlock_queues`` configured. The operator
-commands (``list``, ``show``, ``release``, ``purge``, ``stats``) live in
-:mod:`celery_redlock.ops.commands`.
+Celery loads ``redlock`` (the command group) through the ``celery.commands`` entry point
+whenever the ``celery`` program starts, before it loads the app. Importing
+this module changes nothing; loading ``redlock`` from it (as the entry point
+does) calls :func:`plug_in`, which adds the worker options to ``celery
+worker``, registers the ``redlock_stats`` inspect command, and installs
+celery-redlock in any worker started with one of the options or with
+``redlock_queues`` configured. The operator commands (``list``, ``show``,
+``release``, ``purge``, ``stats``) live in :mod:`celery_redlock.ops.commands`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from celery import signals
 from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
-from celery_redlock.celery import control  # noqa: F401  # registers redlock_stats for `celery inspect`
+from celery_redlock.celery import control
 from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.celery.install import (
     RECOVER_OPTION_NAME,
@@ -31,15 +33,11 @@ from celery_redlock.core.exceptions import ConfigurationError
 
 from .commands import COMMANDS
 
-__all__ = ["redlock"]
+# ``redlock``, the command group, is read through __getattr__ (see the end).
+__all__ = ["plug_in"]
 
 
-@click.group(name="redlock")
-def redlock() -> None:
-    """Inspect celery-redlock's configuration and lock store."""
-
-
-@redlock.command(cls=CeleryCommand)
+@click.command(cls=CeleryCommand)
 @click.pass_context
 def check(ctx: click.Context, /, **kwargs: Any) -> None:
     """Validate the redlock settings and ping the lock store; exit 1 on a bad setting."""
@@ -57,6 +55,13 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
     click.echo(check_lock_store(app))
 
 
+_group = click.Group(
+    name="redlock",
+    commands=[check, *COMMANDS],
+    help="Inspect celery-redlock's configuration and lock store.",
+)
+
+
 def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
     # worker_init comes right before the worker builds its bootsteps, so the
     # step added here still takes part. Only the CLI process connects this.
@@ -67,10 +72,30 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
         install(app)
 
 
-for _command in COMMANDS:
-    redlock.add_command(_command)
-_known = {param.name for param in worker_command.params}
-for _option in worker_options():
-    if _option.name not in _known:
-        worker_command.params.append(_option)
-signals.worker_init.connect(_install_when_asked, weak=False, dispatch_uid="celery-redlock-install")
+def plug_in() -> click.Group:
+    """Plug celery-redlock into the ``celery`` program; return the ``celery redlock`` group.
+
+    Adds ``--redlock-queues`` and ``--redlock-recover/--no-redlock-recover``
+    to ``celery worker``, registers the ``redlock_stats`` inspect command and
+    connects the ``worker_init`` handler that installs celery-redlock in a
+    worker started with either option or with ``redlock_queues`` configured.
+    The ``celery.commands`` entry point does this by loading ``redlock``;
+    calling it again does nothing.
+    """
+    known = {param.name for param in worker_command.params}
+    for option in worker_options():
+        if option.name not in known:
+            worker_command.params.append(option)
+    control.register()
+    signals.worker_init.connect(
+        _install_when_asked, weak=False, dispatch_uid="celery-redlock-install"
+    )
+    return _group
+
+
+def __getattr__(name: str) -> Any:
+    # ``redlock`` is what the entry point loads: plugging in happens then, not
+    # when something merely imports this module.
+    if name == "redlock":
+        return plug_in()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,3 +25,27 @@ def test_test_extra_builds_the_docs():
     """The docs build runs in the test suite, so test holds the docs extra (on Python >= 3.10)."""
     marker = '; python_version >= "3.10"'
     assert {f"{requirement}{marker}" for requirement in extra("docs")} <= extra("test")
+
+
+def install_requires() -> set[str]:
+    parser = configparser.ConfigParser()
+    parser.read(SETUP_CFG)
+    value = parser["options"]["install_requires"]
+    return {line.strip() for line in value.splitlines() if line.strip()}
+
+
+def test_celery_is_an_extra():
+    """A plain install needs redis-py only; Celery and kombu come with the celery extra."""
+    names = {requirement.split(">")[0].split("=")[0] for requirement in install_requires()}
+    assert names == {"redis"}
+    assert {"celery>=5.3", "kombu>=5.3"} <= extra("celery")
+
+
+def test_the_celery_extra_runs_a_redis_broker_worker():
+    """kombu's Redis transport imports packaging, which kombu does not require itself."""
+    assert "packaging" in extra("celery")
+
+
+def test_demo_and_test_extras_hold_the_celery_extra():
+    """scripts/demo and scripts/test run Celery workers, so their extras include Celery's."""
+    assert extra("celery") <= extra("demo") <= extra("test")

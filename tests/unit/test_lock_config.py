@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_redlock import ConfigurationError, Lease, Lock, LockNotOwned, fence_key_for
-from celery_redlock.core.lock import DRIFT_FLOOR
+from celery_redlock.core.lease import DRIFT_FLOOR
 
 
 class FakeClock:

@@ -1,0 +1,192 @@
+"""One acquisition of a lock: its token, fence, validity deadline and ``lost`` flag.
+
+A :class:`Lease` outlives the call that took it: the watchdog renews it, and
+its holder reads ``fence`` and ``lost`` from it. Every lock class of the
+package (sync, asyncio, Redlock) hands out leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+__all__ = ["DEFAULT_DRIFT_FACTOR", "DRIFT_FLOOR", "Clock", "Lease", "LostCallback"]
+
+logger = logging.getLogger(__name__)
+
+#: A monotonic clock: seconds, as a float.
+Clock = Callable[[], float]
+#: What a lock calls, with the lease, when the lease is found lost.
+LostCallback = Callable[["Lease"], object]
+
+#: Share of the TTL assumed lost to clock drift between client and server.
+DEFAULT_DRIFT_FACTOR = 0.01
+#: Fixed part of the drift allowance, in seconds (Redlock's 2 ms).
+DRIFT_FLOOR = 0.002
+
+
+class Lease:
+    """One acquisition of a lock: what the holder has and how long it is valid.
+
+    A lease outlives the acquiring call: the watchdog renews it, and the holder
+    (or a Celery task through ``current_lock()``) reads ``fence`` and ``lost``
+    from it. It is safe to read from any thread.
+
+    Attributes:
+        name: The lock's Redis key.
+        token: The value stored under ``name`` while this lease holds it.
+        fence: The fencing token of this acquisition, or ``None`` without fencing.
+        ttl: The lock's time to live in seconds, or ``None`` if it never expires.
+        renewals: How many times the watchdog has renewed the lease.
+        lost: ``True`` once the lease is known not to hold the lock any more.
+        loss_reason: Why the lease was lost, when it was.
+        released: ``True`` once the holder started releasing it.
+    """
+
+    #: Whether the watchdog renews this lease by calling :meth:`renew` instead of
+    #: batching it with the other leases of its connection pool. Leases that span
+    #: several servers (Redlock) set it.
+    renews_itself: ClassVar[bool] = False
+
+    __slots__ = (
+        "__weakref__",
+        "_clock",
+        "_drift_factor",
+        "_owner",
+        "client",
+        "deadline",
+        "fence",
+        "label",
+        "loss_reason",
+        "lost",
+        "name",
+        "on_lost",
+        "released",
+        "renewals",
+        "token",
+        "ttl",
+    )
+
+    def __init__(
+        self,
+        *,
+        client: Any,
+        name: str,
+        token: bytes,
+        fence: int | None,
+        ttl: float | None,
+        sent_at: float,
+        clock: Clock,
+        drift_factor: float = DEFAULT_DRIFT_FACTOR,
+        on_lost: LostCallback | None = None,
+        owner: object | None = None,
+        label: str | None = None,
+    ) -> None:
+        self.client = client
+        self.label = label
+        self.name = name
+        self.token = token
+        self.fence = fence
+        self.ttl = ttl
+        self.on_lost = on_lost
+        self.renewals = 0
+        self.lost = False
+        self.loss_reason: str | None = None
+        self.released = False
+        self._clock = clock
+        self._drift_factor = drift_factor
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self.deadline: float | None = None
+        if ttl is not None:
+            self.validate_until(sent_at, ttl)
+
+    def validate_until(self, sent_at: float, ttl: float) -> None:
+        """Record that the server granted ``ttl`` seconds to a request sent at ``sent_at``.
+
+        Validity is measured from when the request was *sent*, minus the drift
+        allowance, so it never overstates what the server granted.
+        """
+        self.deadline = self.deadline_for(sent_at, ttl)
+
+    def deadline_for(self, sent_at: float, ttl: float) -> float:
+        """Return the validity deadline of ``ttl`` seconds granted to a request sent then."""
+        return sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+
+    def renew(self) -> None:
+        """Renew the lease to its full TTL on its own (only when :attr:`renews_itself`).
+
+        Raises:
+            NotImplementedError: Always here: single-server leases are renewed in
+                batches by the watchdog.
+        """
+        raise NotImplementedError(f"{type(self).__name__} is renewed in batches by the watchdog")
+
+    def remaining(self) -> float:
+        """Seconds of validity left: ``inf`` without a TTL, ``0.0`` once lost or released."""
+        if self.lost or self.released:
+            return 0.0
+        if self.deadline is None:
+            return float("inf")
+        return max(0.0, self.deadline - self._clock())
+
+    @property
+    def valid(self) -> bool:
+        """``True`` while the lease is neither lost, released nor past its deadline."""
+        return self.remaining() > 0.0
+
+    @property
+    def abandoned(self) -> bool:
+        """``True`` when the lock that took the lease was garbage-collected."""
+        return self._owner is not None and self._owner() is None
+
+    def still_to_renew(self) -> bool:
+        """Whether a renewer should renew this lease now; says why not in the log.
+
+        ``False`` for a lease released or lost, for one whose lock object was
+        garbage-collected (it is left to expire, with a warning), and for one
+        past its validity, which is marked lost: the process slept past it
+        (SIGSTOP, a long GC pause), so someone else may hold the lock by now
+        and renewing is not safe.
+        """
+        if self.released or self.lost:
+            return False
+        if self.abandoned:
+            logger.warning(
+                "%s was garbage-collected while held; letting it expire", self.describe()
+            )
+            return False
+        if self.remaining() <= 0.0:
+            self.mark_lost("validity expired before it could be renewed")
+            return False
+        return True
+
+    def mark_lost(self, reason: str) -> None:
+        """Flag the lease as lost, log it once, and call its ``on_lost`` callback.
+
+        Called by the watchdog and by operations that find the lock not owned.
+        The callback's exceptions are logged, never propagated: it runs on the
+        watchdog thread, which must survive it.
+        """
+        if self.lost or self.released:
+            return
+        self.lost = True
+        self.loss_reason = reason
+        logger.error("%s lost: %s", self.describe(), reason)
+        # Read once: a release on another thread may clear it meanwhile.
+        on_lost = self.on_lost
+        if on_lost is not None:
+            try:
+                on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback of %s failed", self.describe())
+
+    def describe(self) -> str:
+        """Name the lock, its holder and fence, for log lines."""
+        holder = f" held by {self.label}" if self.label else ""
+        return f"lock {self.name}{holder} (fence {self.fence})"
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "released" if self.released else "held"
+        return f"<Lease {self.name!r} fence={self.fence} {state}>"

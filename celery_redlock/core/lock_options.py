@@ -1,0 +1,158 @@
+"""The options every lock class takes, validated in one place, and the fence key of a name.
+
+:class:`LockSettings` stores redis-py's lock arguments and this package's
+additions for :class:`~celery_redlock.core.lock.Lock` and its asyncio twin;
+:func:`check_options` rejects a bad one with a
+:class:`~celery_redlock.core.exceptions.ConfigurationError` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from .exceptions import ConfigurationError
+from .lease import Clock, LostCallback
+
+__all__ = [
+    "DEFAULT_FENCE_RETENTION",
+    "LockSettings",
+    "Number",
+    "check_options",
+    "fence_key_for",
+    "positive_seconds",
+]
+
+#: Seconds, as redis-py's lock takes them.
+Number = Union[int, float]
+
+#: Lifetime of a fence key from when it is seeded; see ``scripts.ACQUIRE``.
+DEFAULT_FENCE_RETENTION = 3600.0
+
+
+def fence_key_for(name: str | bytes) -> str | bytes:
+    """Return the key holding the fence counter of lock ``name``.
+
+    The fence key must share the lock key's Redis Cluster hash slot, because the
+    acquire script touches both. A name with a hash tag keeps it; any other name
+    becomes the tag of its fence key, which hashes to the same slot as the name.
+    Bytes names (which redis-py accepts) give a bytes key.
+    """
+    if isinstance(name, bytes):
+        # latin-1 maps every byte to one character and back, braces included.
+        return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
+    # Redis Cluster hashes only the tag when the first "{" is followed by a
+    # "}" with something in between; "{}" anywhere first means the whole key.
+    start = name.find("{")
+    end = name.find("}", start + 1) if start != -1 else -1
+    if end > start + 1:
+        return f"{name}:fence"
+    if "}" in name:
+        # "{name}" would end its tag early; no key can share this name's slot
+        # through a tag, so fall back to a plain suffix (fine outside Cluster).
+        return f"{name}:fence"
+    return f"{{{name}}}:fence"
+
+
+def positive_seconds(setting: str, value: object, *, allow_none: bool) -> float | None:
+    """Return ``value`` as float seconds, at least a millisecond (``None`` if allowed).
+
+    Raises:
+        ConfigurationError: If it is not such a number, naming ``setting``.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(setting, value, "must be a number of seconds")
+    if value <= 0 or int(value * 1000) < 1:
+        raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
+    return float(value)
+
+
+def check_options(
+    *,
+    timeout: object,
+    sleep: object,
+    blocking_timeout: object,
+    auto_renew: bool,
+    drift_factor: float,
+    fence_retention: object,
+) -> float | None:
+    """Validate the options every lock class takes; return the TTL in seconds, or ``None``.
+
+    Raises:
+        ConfigurationError: For the first option out of range, naming it.
+    """
+    ttl = positive_seconds("timeout", timeout, allow_none=True)
+    if isinstance(sleep, bool) or not isinstance(sleep, (int, float)) or sleep < 0:
+        raise ConfigurationError("sleep", sleep, "must be a non-negative number of seconds")
+    if blocking_timeout is not None and (
+        isinstance(blocking_timeout, bool)
+        or not isinstance(blocking_timeout, (int, float))
+        or blocking_timeout < 0
+    ):
+        raise ConfigurationError(
+            "blocking_timeout", blocking_timeout, "must be None or a non-negative number"
+        )
+    if auto_renew and ttl is None:
+        raise ConfigurationError(
+            "timeout", timeout, "auto_renew needs a timeout: it renews at a third of it"
+        )
+    if not 0 <= drift_factor < 0.5:
+        raise ConfigurationError("drift_factor", drift_factor, "must be in [0, 0.5)")
+    positive_seconds("fence_retention", fence_retention, allow_none=False)
+    return ttl
+
+
+class LockSettings:
+    """The options every lock class takes (sync and asyncio), validated and stored once.
+
+    Both lock classes keep redis-py's constructor signature for drop-in use and
+    hand its values to :meth:`_configure`, so a new option is added in one place.
+    """
+
+    timeout: float | None
+
+    def _configure(
+        self,
+        redis: Any,
+        name: str,
+        *,
+        timeout: Number | None,
+        sleep: Number,
+        blocking: bool,
+        blocking_timeout: Number | None,
+        thread_local: bool,
+        raise_on_release_error: bool,
+        auto_renew: bool,
+        on_lost: LostCallback | None,
+        fencing: bool,
+        fence_key: str | None,
+        fence_retention: Number,
+        drift_factor: float,
+        clock: Clock,
+        label: str | None,
+    ) -> None:
+        self.timeout = check_options(
+            timeout=timeout,
+            sleep=sleep,
+            blocking_timeout=blocking_timeout,
+            auto_renew=auto_renew,
+            drift_factor=drift_factor,
+            fence_retention=fence_retention,
+        )
+        self.redis = redis
+        self.name = name
+        self.sleep = sleep
+        self.blocking = blocking
+        self.blocking_timeout = blocking_timeout
+        self.thread_local = bool(thread_local)
+        self.raise_on_release_error = raise_on_release_error
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.fencing = fencing
+        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        self._fence_retention_ms = int(fence_retention * 1000)
+        self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
+        self.drift_factor = drift_factor
+        self._clock = clock
+        self.label = label
