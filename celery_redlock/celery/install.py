@@ -1,9 +1,10 @@
 """``install(app)``: connect celery-redlock to an app's workers.
 
-Nothing is connected at import time. ``install`` adds the worker bootstep (and
-with it the ``--redlock-queues`` worker option) and the signal hooks; it runs
-by itself when a command-line worker is started with ``--redlock-queues`` or
-with ``redlock_queues`` configured. Installing twice is harmless.
+Nothing is connected at import time. :func:`connect_worker` adds the worker
+bootsteps and the signal hooks; ``SingletonTask`` calls it when it is bound to
+an app. ``install`` does the same and adds the ``--redlock-queues`` worker
+option; it runs by itself when a command-line worker is started with
+``--redlock-queues`` or with ``redlock_queues`` configured. Both are idempotent.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 __all__ = [
     "RECOVER_OPTION_NAME",
     "WORKER_OPTION_NAME",
+    "connect_worker",
     "install",
     "recover_option",
     "worker_option",
@@ -28,7 +30,9 @@ WORKER_OPTION_NAME = "redlock_queues"
 #: the name of the setting it overrides.
 RECOVER_OPTION_NAME = "redlock_recover_stale"
 
-_installed: weakref.WeakSet[Any] = weakref.WeakSet()
+# Apps already connected, and apps whose worker options were already added.
+_connected: weakref.WeakSet[Any] = weakref.WeakSet()
+_options_added: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def worker_option() -> click.Option:
@@ -71,30 +75,44 @@ def worker_options() -> list[click.Option]:
 def install(app: Any) -> None:
     """Connect celery-redlock to the workers of ``app``.
 
-    Adds the worker bootstep that validates the redlock settings at worker
-    start, checks the lock store, turns on per-queue locking and the lock
-    counters, and releases the stale locks of a dead earlier run of the
-    worker; the consumer bootstep that checks each queue the worker is told
-    to consume at runtime (``add_consumer``); the ``--redlock-queues`` and
-    ``--redlock-recover`` worker options
-    (unless the ``celery redlock`` plugin already added them); and the signal
-    handler that releases the lock of a task killed by
-    ``revoke(terminate=True, signal="SIGKILL")``. Call it from the module that
-    creates the app; calling it again does nothing.
+    A ``SingletonTask`` bound to the app connects it by itself
+    (:func:`connect_worker`); call this from the module that creates the app
+    when only queues are locked (``redlock_queues``, ``--redlock-queues``).
+    Besides what :func:`connect_worker` does, it adds the ``--redlock-queues``
+    and ``--redlock-recover`` worker options (unless the ``celery redlock``
+    plugin already added them). Calling it again does nothing.
     """
-    if app in _installed:
+    if app in _options_added:
         return
-    _installed.add(app)
+    _options_added.add(app)
     from celery.bin.worker import worker as worker_command
 
-    from . import hooks
-    from .added_queues import AddedQueuesStep
-    from .bootsteps import RedlockStep
-
+    connect_worker(app)
     known = {param.name for param in worker_command.params}
     for option in worker_options():
         if option.name not in known:
             app.user_options["worker"].add(option)
+
+
+def connect_worker(app: Any) -> None:
+    """Add celery-redlock's bootsteps and signal hooks to the workers of ``app`` (idempotent).
+
+    The worker bootstep validates the redlock settings at worker start, checks
+    the lock store, turns on per-queue locking and the lock counters, and
+    releases the stale locks of a dead earlier run of the worker; the consumer
+    bootstep checks each queue the worker is told to consume at runtime
+    (``add_consumer``); the signal handler releases the lock of a task killed
+    by ``revoke(terminate=True, signal="SIGKILL")``. ``SingletonTask`` calls it
+    when it is bound to the app: a worker finalizes its app before it builds
+    its bootsteps, so they are in place whatever the app's module does.
+    """
+    if app in _connected:
+        return
+    _connected.add(app)
+    from . import hooks
+    from .added_queues import AddedQueuesStep
+    from .bootsteps import RedlockStep
+
     app.steps["worker"].add(RedlockStep)
     app.steps["consumer"].add(AddedQueuesStep)
     hooks.connect()

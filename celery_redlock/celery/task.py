@@ -13,6 +13,7 @@ from celery_redlock.core.keys import KeyBuilder, KeySpec
 from . import publish
 from .guard import called_inside, guarding
 from .guards import guard_for
+from .install import connect_worker
 from .queues import locked_queue
 from .result import SingletonResult
 from .settings import (
@@ -72,8 +73,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         """Validate the lock options when the task is bound, so bad values fail early.
 
         This runs when the app is finalized: at worker start and before the
-        first publish. It also connects the signal handler that releases the
-        lock of a task killed by ``revoke(terminate=True, signal="SIGKILL")``.
+        first publish. It also connects celery-redlock to the app's workers
+        (:func:`~celery_redlock.celery.install.connect_worker`: stale-lock
+        recovery, lock counters, start-up validation, the SIGKILL release hook),
+        so ``install(app)`` is only needed for apps that lock by queue alone.
 
         Raises:
             ConfigurationError: Naming the setting or task attribute at fault.
@@ -81,9 +84,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         super().on_bound(app)
         if cls.name is None:  # an abstract base class, not a task
             return
-        from . import hooks
-
-        hooks.connect()
+        connect_worker(app)
         conf = app.conf
         validate_settings(conf)
         for attribute, closest in unknown_task_options(cls):

@@ -216,3 +216,41 @@ def test_installed_worker_logs_its_locked_queues(app):
         logger.setLevel(logging.NOTSET)
     assert any("locking tasks from queue(s) plain" in line for line in lines)
     assert any("answers" in line for line in lines)
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+def test_a_singleton_task_app_is_connected_without_install(app, redis_server):
+    """Binding a SingletonTask connects the worker side: recovery, counters, the bootstep."""
+    import redis
+
+    from celery_redlock.celery import stats
+    from celery_redlock.core.holder import Holder
+
+    app.conf.redlock_url = redis_server.url
+    ran = threading.Event()
+
+    @app.task(base=SingletonTask, name="t.connected")
+    def connected():
+        ran.set()
+
+    node = f"connected-{uuid.uuid4().hex[:6]}@{Holder.new('x').host}"
+    # A lock left by a dead earlier run of this very worker (same node, same host).
+    base = Holder.new("dead-task", node, ttl=60)
+    stale = Holder(**{**base.__dict__, "pid": _dead_pid()})
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(connected.lock_key_for(), stale.encode(), px=60_000)
+    with start_worker(app, pool="solo", perform_ping_check=False, hostname=node):
+        assert RedlockStep in app.steps["worker"]
+        assert not client.exists(connected.lock_key_for())  # recovered at start
+        assert stats.table_for(app) is not None  # redlock_stats is on by default
+        connected.delay()
+        assert ran.wait(10)
