@@ -54,13 +54,13 @@ class Lease:
         "__weakref__",
         "_clock",
         "_drift_factor",
+        "_lost",
         "_owner",
         "client",
         "deadline",
         "fence",
         "label",
         "loss_reason",
-        "lost",
         "name",
         "on_lost",
         "released",
@@ -92,7 +92,7 @@ class Lease:
         self.ttl = ttl
         self.on_lost = on_lost
         self.renewals = 0
-        self.lost = False
+        self._lost = False
         self.loss_reason: str | None = None
         self.released = False
         self._clock = clock
@@ -123,9 +123,39 @@ class Lease:
         """
         raise NotImplementedError(f"{type(self).__name__} is renewed in batches by the watchdog")
 
+    @property
+    def lost(self) -> bool:
+        """``True`` once the lease may no longer hold the lock.
+
+        That is as soon as it is known lost (the watchdog or a release found
+        another value), and also, for a lease not released, as soon as its
+        validity deadline has passed: a holder that slept past it (SIGSTOP, a
+        long GC or VM pause) finds out on its first look, not only once the
+        watchdog's next pass marks it.
+        """
+        if self._lost:
+            return True
+        if self.released or self.deadline is None:
+            return False
+        return self._clock() >= self.deadline
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        self._lost = value
+
+    @property
+    def known_lost(self) -> bool:
+        """``True`` once the lease was found lost (:meth:`mark_lost`, a release), not just expired.
+
+        What the watchdog goes by: a lease past its deadline but not yet marked
+        is still handed to :meth:`still_to_renew`, which marks it, logs it and
+        calls ``on_lost``.
+        """
+        return self._lost
+
     def remaining(self) -> float:
         """Seconds of validity left: ``inf`` without a TTL, ``0.0`` once lost or released."""
-        if self.lost or self.released:
+        if self._lost or self.released:
             return 0.0
         if self.deadline is None:
             return float("inf")
@@ -150,7 +180,7 @@ class Lease:
         (SIGSTOP, a long GC pause), so someone else may hold the lock by now
         and renewing is not safe.
         """
-        if self.released or self.lost:
+        if self.released or self._lost:
             return False
         if self.abandoned:
             logger.warning(
@@ -169,9 +199,9 @@ class Lease:
         The callback's exceptions are logged, never propagated: it runs on the
         watchdog thread, which must survive it.
         """
-        if self.lost or self.released:
+        if self._lost or self.released:
             return
-        self.lost = True
+        self._lost = True
         self.loss_reason = reason
         logger.error("%s lost: %s", self.describe(), reason)
         # Read once: a release on another thread may clear it meanwhile.
@@ -188,5 +218,5 @@ class Lease:
         return f"lock {self.name}{holder} (fence {self.fence})"
 
     def __repr__(self) -> str:
-        state = "lost" if self.lost else "released" if self.released else "held"
+        state = "lost" if self._lost else "released" if self.released else "held"
         return f"<Lease {self.name!r} fence={self.fence} {state}>"

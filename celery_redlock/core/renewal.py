@@ -161,7 +161,7 @@ class Watchdog:
         except Exception as exc:
             # A lease found not owned is already marked lost; anything else is
             # retried until its validity runs out, as for a failed batch.
-            if not (lease.lost or lease.released):
+            if not (lease.known_lost or lease.released):
                 self._schedule_retry([lease], exc)
             return
         if lease.released:

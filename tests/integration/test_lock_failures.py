@@ -170,3 +170,34 @@ def test_bytes_names_and_single_connection_clients_work(redis_server):
         assert client.get(b"bytes-name") == lock.token
         assert client.exists(b"{bytes-name}:fence")
     assert not client.exists(b"bytes-name")
+
+
+def test_a_lease_past_its_deadline_reads_lost_before_any_watchdog_pass(r):
+    """A holder that slept past its validity finds out on its first look at ``lost``.
+
+    No watchdog runs here (auto_renew off), as for a process frozen so long
+    that the watchdog could not renew: ``Lease.lost`` (what ``current_lock()``
+    hands a task) must not wait for a renewal pass to say so.
+    """
+    now = [1000.0]
+    lock = Lock(r, "lost:deadline", timeout=2, auto_renew=False, clock=lambda: now[0])
+    assert lock.acquire(blocking=False)
+    lease = lock.lease
+    assert lease is not None and not lease.lost and not lease.known_lost
+    now[0] += 10  # the pause: past the 2 s TTL and its validity deadline
+    assert lease.lost
+    assert lock.lost
+    assert not lease.known_lost  # nobody has marked it yet
+    assert lease.remaining() == 0.0
+    assert not lease.still_to_renew()  # the watchdog's look marks it, once
+    assert lease.known_lost and lease.loss_reason is not None
+
+
+def test_a_released_lease_never_reads_lost_after_its_deadline(r):
+    now = [1000.0]
+    lock = Lock(r, "lost:released", timeout=2, auto_renew=False, clock=lambda: now[0])
+    assert lock.acquire(blocking=False)
+    lease = lock.lease
+    lock.release()
+    now[0] += 10
+    assert lease is not None and not lease.lost
