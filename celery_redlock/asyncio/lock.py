@@ -253,9 +253,13 @@ class Lock(LockSettings):
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
+        # The wait is measured on the loop's clock, as asyncio.sleep and
+        # asyncio.timeout measure it (a virtual-time test loop included); lock
+        # validity stays on the real clock, which the server's TTL runs on.
+        now = asyncio.get_running_loop().time
         stop_trying_at = None
         if blocking_timeout is not None:
-            stop_trying_at = self._clock() + blocking_timeout
+            stop_trying_at = now() + blocking_timeout
         retry = False
         while True:
             value = await self._attempt(state, encoded, retry)
@@ -268,8 +272,7 @@ class Lock(LockSettings):
             if not blocking:
                 return False
             delay = self._retry_delay(sleep)
-            next_try_at = self._clock() + delay
-            if stop_trying_at is not None and next_try_at > stop_trying_at:
+            if stop_trying_at is not None and now() + delay > stop_trying_at:
                 return False
             await asyncio.sleep(delay)
             retry = True

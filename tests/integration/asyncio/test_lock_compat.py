@@ -292,3 +292,34 @@ def test_release_error_can_be_downgraded_to_a_warning(arun, lock_class):
         assert await client.get("foo") == b"other"
 
     arun(scenario)
+
+
+class _FastLoop(asyncio.SelectorEventLoop):
+    """A loop whose clock runs a thousand times faster than the real one (virtual time)."""
+
+    def time(self) -> float:
+        return super().time() * 1000
+
+
+def test_blocking_timeout_is_measured_on_the_running_loops_clock(redis_server):
+    """blocking_timeout counts loop time, as asyncio.sleep and asyncio.timeout do."""
+
+    async def scenario() -> bool:
+        client = redis.asyncio.Redis(port=redis_server.port)
+        try:
+            holder = celery_redlock.asyncio.Lock(client, "loopclock", timeout=60)
+            assert await holder.acquire(blocking=False)
+            waiter = celery_redlock.asyncio.Lock(client, "loopclock", timeout=60, sleep=5)
+            # 600 loop seconds: 0.6 s of real time on this loop, ten minutes on
+            # the wall clock (far past the test's own timeout).
+            got = await waiter.acquire(blocking=True, blocking_timeout=600)
+            await holder.release()
+            return got
+        finally:
+            await client.aclose()
+
+    loop = _FastLoop()
+    try:
+        assert loop.run_until_complete(scenario()) is False
+    finally:
+        loop.close()
