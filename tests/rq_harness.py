@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ def rq_command() -> list[str]:
 
 
 class RQWorker:
-    """One ``rq worker`` process."""
+    """One ``rq worker`` process; ``env`` adds variables to the test's environment."""
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class RQWorker:
         name: str,
         burst: bool = False,
         scheduler: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         argv = [*rq_command(), "worker", "--url", url, "--name", name, "--path", str(ROOT)]
         if burst:
@@ -45,7 +46,7 @@ class RQWorker:
         argv.append(queue)
         logdir.mkdir(parents=True, exist_ok=True)
         self.log_path = logdir / f"{name}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT

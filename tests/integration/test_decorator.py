@@ -19,11 +19,11 @@ FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 SKIPPED = object()
 
 
-def blocking_pair(client, **options):
+def blocking_pair(client, ttl=5, **options):
     """A decorated function that holds its lock until ``release`` is set, and its events."""
     entered, release = threading.Event(), threading.Event()
 
-    @singleton(client=client, ttl=5, skipped=SKIPPED, **options)
+    @singleton(client=client, ttl=ttl, skipped=SKIPPED, **options)
     def job(n):
         entered.set()
         assert release.wait(10)
@@ -87,15 +87,22 @@ def test_wait_runs_after_the_holder_and_times_out(r):
     assert box == {"result": 2}
 
 
-def test_wait_timeout_raises(r):
-    """A call that waits longer than wait_timeout raises LockNotAcquired."""
-    job, entered, release = blocking_pair(r, on_conflict="wait", wait_timeout=0.2, wait_sleep=0.01)
+def test_wait_timeout_raises(r, redis_server):
+    """Past wait_timeout a waiting call raises LockNotAcquired; it retried every wait_sleep."""
+    # The holder's TTL puts its first renewal (a script too) 20 s away.
+    job, entered, release = blocking_pair(
+        r, ttl=60, on_conflict="wait", wait_timeout=1.0, wait_sleep=0.05
+    )
     thread, _ = run_in_thread(job, 1)
     assert entered.wait(5)
-    started = time.monotonic()
+    redis_server.reset_stats()
     with pytest.raises(LockNotAcquired, match="within wait_timeout"):
         job(1)
-    assert 0.1 < time.monotonic() - started < 2
+    calls = redis_server.commandstats()
+    # Each retry follows a 0.05 s sleep, so no more than 1 + 1.0 / 0.05 attempts
+    # fit into wait_timeout, however slow the machine; at least one retry does
+    # unless the first round trip alone took 0.95 s.
+    assert 2 <= calls.get("evalsha", 0) + calls.get("eval", 0) <= 21
     release.set()
     thread.join(5)
 

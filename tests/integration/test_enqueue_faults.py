@@ -2,9 +2,10 @@
 
 Each test runs on a private redis-server (the lock store) with an in-memory
 broker and result backend, and, where a worker is needed, an in-process
-``celery.contrib.testing`` worker. Redis failures are real: a busy script
-makes the client time out; an ACL that refuses ``EVAL``/``EVALSHA`` makes every
-lock script fail while plain commands still work.
+``celery.contrib.testing`` worker. Redis failures are real: a loopback proxy
+that holds commands back makes the client time out while they still run
+later; an ACL that refuses ``EVAL``/``EVALSHA`` makes every lock script fail
+while plain commands still work.
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from celery import Celery
 from celery import signals as celery_signals
 from celery.contrib.testing.worker import start_worker
 
-from celery_redlock import ConfigurationError, LockError, SingletonTask
+from celery_redlock import (
+    ConfigurationError,
+    LockError,
+    LockNotAcquired,
+    SingletonTask,
+    current_lock,
+)
 from celery_redlock.celery import signals as redlock_signals
 from celery_redlock.celery.bootsteps import prepare_worker
 from celery_redlock.celery.messages import REQUEUES_HEADER, RESERVATION_HEADER
 from celery_redlock.celery.publish import cancel_key
 from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.scripts import CANCEL_RESERVE, RESERVE
+from tests.fault_proxy import DelayProxy
 
 
 @pytest.fixture(autouse=True)
@@ -138,45 +146,36 @@ def test_cancel_reserve_voids_a_late_reserve_and_undoes_an_early_one(r: redis.Re
     assert r.get(key) == b"TOKEN" and 0 < r.pttl(key) <= 3000
 
 
-def busy_server(port: int, seconds: float) -> threading.Thread:
-    """Keep the server inside one script for ``seconds``: other clients time out meanwhile."""
-    spin = """
-    local t = redis.call('TIME')
-    local start = t[1] * 1000000 + t[2]
-    while true do
-      local n = redis.call('TIME')
-      if n[1] * 1000000 + n[2] - start > tonumber(ARGV[1]) then return 1 end
-    end
-    """
-    client = redis.Redis(port=port, socket_timeout=seconds + 5)
-    thread = threading.Thread(target=client.eval, args=(spin, 0, int(seconds * 1_000_000)))
-    thread.start()
-    return thread
-
-
 def test_lost_reserve_reply_leaves_no_phantom_reservation(
     make_app: Any, redis_server: Any, r: redis.Redis
 ) -> None:
     """A RESERVE that times out but runs later folds no later call into an unpublished task."""
-    app = make_app("?socket_timeout=0.3", redlock_on_redis_error="raise")
+    app = make_app(redlock_on_redis_error="raise")
+    proxy = DelayProxy(redis_server.port)
+    app.conf.redlock_url = proxy.url + "?socket_timeout=0.3"
 
     @app.task(base=SingletonTask, shared=False, name="t.phantom", lock_mode="until_executed")
     def job(x: int) -> int:
         return x
 
-    job.delay(0)  # connects and caches RESERVE
-    ids = published_ids(app)
-    spinner = busy_server(redis_server.port, 0.8)
-    # A busy server answers nobody, so there is nothing to poll: give the
-    # script a moment to start.
-    time.sleep(0.1)
-    with pytest.raises(LockError) as info:
-        job.delay(1)
-    spinner.join()
-    assert "was not published" in str(info.value) and ids == []
-    wait_for(lambda: not r.exists(job.lock_key_for(1)), timeout=5)
-    again = job.delay(1)
-    assert ids == [again.id]
+    with proxy:
+        job.delay(0)  # connects and caches RESERVE
+        ids = published_ids(app)
+        redis_server.reset_stats()
+        # What the lock store is sent from now on reaches it 0.8 s late: the
+        # RESERVE's reply cannot come within the client's 0.3 s, and the
+        # RESERVE itself runs after the client gave up on it.
+        proxy.hold(time.monotonic() + 0.8)
+        with pytest.raises(LockError) as info:
+            job.delay(1)
+        proxy.stop_holding()
+        assert "was not published" in str(info.value) and ids == []
+        # Since the reset, the RESERVE is the only EVALSHA and each cancel an
+        # EVAL: once both ran, in whichever order, the outcome is final.
+        wait_for(lambda: {"eval", "evalsha"} <= redis_server.commandstats().keys(), timeout=10)
+        assert not r.exists(job.lock_key_for(1))
+        again = job.delay(1)
+        assert ids == [again.id]
 
 
 # -- H2: Redis fails when the worker starts the task --------------------------------
@@ -277,18 +276,36 @@ def test_publish_side_queue_options_refused_at_worker_start(make_app: Any, optio
 
 
 def test_worker_side_queue_options_still_apply_to_enqueue_modes(make_app: Any) -> None:
-    """Options read only by the worker (on_conflict, ttl) stay allowed in a queue entry."""
+    """Options read only by the worker (on_conflict, ttl) are allowed in a queue entry and apply."""
     app = make_app(
         task_default_queue="locked",
         redlock_queues={"locked": {"on_conflict": "raise", "ttl": 5}},
     )
+    started, finish = threading.Event(), threading.Event()
+    ttls: list[float] = []
 
     @app.task(base=SingletonTask, shared=False, name="t.queued", lock_mode="until_executed")
     def job(x: int) -> int:
+        ttls.append(current_lock().ttl)
+        started.set()
+        finish.wait(10)
         return x
 
     app.finalize()
     prepare_worker(app, None, dict(app.amqp.queues))
+    with worker(app):
+        first = job.delay(1)
+        assert started.wait(10)
+        # A message that bypassed apply_async carries no reservation and meets
+        # the lock as a duplicate: the queue's on_conflict="raise" fails it
+        # (the task's default, "skip", would leave it SKIPPED).
+        duplicate = app.send_task("t.queued", (1,))
+        with pytest.raises(LockNotAcquired) as info:
+            duplicate.get(timeout=10)
+        assert first.id in str(info.value)
+        finish.set()
+        assert first.get(timeout=10) == 1
+    assert ttls == [5]  # the queue's ttl, not the default 10 s
 
 
 # -- M1: the waiting copy of until_and_while_executing ------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,10 +85,8 @@ def test_pause_times_out_clients_and_resume_recovers(redis_server: RedisServer) 
     assert client.ping()
 
     redis_server.pause()
-    started = time.monotonic()
-    with pytest.raises(redis.TimeoutError):
+    with pytest.raises(redis.TimeoutError):  # the socket timeout, nothing else, raises this
         client.ping()
-    assert time.monotonic() - started < 2.0
 
     redis_server.resume()
     assert client.ping()
@@ -109,11 +107,13 @@ def test_stop_of_a_paused_server_is_prompt(redis_server: RedisServer) -> None:
     """stop() ends a SIGSTOPped server at once instead of waiting out its SIGKILL timeout."""
     pid = redis_server.pid
     redis_server.pause()
-    started = time.monotonic()
+    stopper = threading.Thread(target=redis_server.stop, kwargs={"timeout": 60.0}, daemon=True)
 
-    redis_server.stop(timeout=5.0)
+    stopper.start()
 
-    assert time.monotonic() - started < 4.0
+    # Waiting out the SIGKILL timeout (60 s) could not end within this window.
+    stopper.join(20)
+    assert not stopper.is_alive()
     assert not _process_exists(pid)
 
 

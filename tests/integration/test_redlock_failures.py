@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import redis
 
 from celery_redlock import QuorumNotAchieved, Redlock
 from tests.integration.test_redlock import wait_until, warm
+
+
+def run_within(window, call):
+    """Return ``call()``, run in a thread; fail if it has not returned within ``window`` seconds.
+
+    The window is an event wait, not a speed test: each test states why a
+    call that misbehaves cannot return within it, and leaves a loaded machine
+    a wide margin.
+    """
+    outcome = {}
+
+    def target():
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(window)
+    assert not thread.is_alive(), f"{call!r} has not returned within {window} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def test_two_of_five_killed_still_acquires_and_excludes(redis_servers):
@@ -47,59 +71,60 @@ def test_three_of_five_killed_fails_with_every_error_and_leaves_no_key(redis_ser
         assert name in str(error)
     survivors = [servers[0].client(), servers[4].client()]
     # The releases run within moments; the TTL (10 s) is far away.
-    assert wait_until(lambda: all(c.get("job") is None for c in survivors), timeout=1.0)
+    assert wait_until(lambda: all(c.get("job") is None for c in survivors), timeout=5.0)
 
 
 @pytest.mark.timeout(60)
 def test_hung_master_does_not_slow_acquisition(redis_servers):
-    """A SIGSTOPped master costs acquire+release nothing near the node timeout."""
+    """A SIGSTOPped master costs acquire+release nothing: none of them waits for it."""
     servers = redis_servers(5)
-    lock = Redlock([s.client() for s in servers], "job", timeout=10)
-    assert lock.node_timeout == 1.0
+    assert Redlock([s.client() for s in servers], "job", timeout=10).node_timeout == 1.0
+    # Node timeouts longer than the windows below: an acquire or release that
+    # waited for the hung master could not return within them.
+    lock = Redlock([s.client() for s in servers], "job", timeout=120, node_timeout=30)
     warm(lock)
     servers[2].pause()
     try:
-        cycles = []
-        for _ in range(30):
-            started = time.monotonic()
-            assert lock.acquire(blocking=False)
-            lock.release()
-            cycles.append(time.monotonic() - started)
+
+        def cycles():
+            for _ in range(30):
+                assert lock.acquire(blocking=False)
+                lock.release()
+
+        run_within(20, cycles)
         # A master nobody has connected to yet: its connect hangs in the pool.
-        fresh = Redlock([s.url for s in servers], "job", timeout=10, node_timeout=0.9)
-        started = time.monotonic()
-        assert fresh.acquire(blocking=False)
-        fresh_acquire = time.monotonic() - started
-        fresh.release()
+        fresh = Redlock([s.url for s in servers], "job", timeout=120, node_timeout=30)
+
+        def fresh_cycle():
+            assert fresh.acquire(blocking=False)
+            fresh.release()
+
+        run_within(20, fresh_cycle)
     finally:
         servers[2].resume()
-    cycles.sort()
-    print(
-        f"\nwith a hung master: acquire+release median {cycles[15] * 1000:.2f} ms, "
-        f"max {cycles[-1] * 1000:.2f} ms; first acquire on new connections "
-        f"{fresh_acquire * 1000:.2f} ms (node timeout 1000 ms)"
-    )
-    assert cycles[-1] < 0.2
-    assert fresh_acquire < 0.2
 
 
 @pytest.mark.timeout(30)
 def test_hung_majority_fails_within_the_node_timeout(redis_servers):
-    """With too many masters hung, a failed attempt returns after about one node timeout."""
+    """With too many masters hung, a failed attempt waits for them once, all at once."""
     servers = redis_servers(5)
-    lock = Redlock([s.client() for s in servers], "job", timeout=5, node_timeout=0.2)
+    lock = Redlock([s.client() for s in servers], "job", timeout=10, node_timeout=2)
     warm(lock)
     for server in servers[:3]:
         server.pause()
     try:
-        started = time.monotonic()
-        assert not lock.acquire(blocking=False)
-        elapsed = time.monotonic() - started
+
+        def attempt():
+            assert not lock.acquire(blocking=False)
+            return lock.local.failure
+
+        # Waiting for the three one after another would take three node
+        # timeouts; the window is two (one to spare for a loaded machine).
+        error = run_within(2 * lock.node_timeout, attempt)
     finally:
         for server in servers[:3]:
             server.resume()
-    assert 0.19 < elapsed < 0.5
-    error = lock.local.failure
+    # Each hung master's error says it was waited for until the node timeout.
     assert sum("node timeout" in str(e) for e in error.errors.values()) == 3
     # Once they resume, the releases queued behind the acquires leave no key.
     assert wait_until(lambda: all(s.client().get("job") is None for s in servers))

@@ -64,15 +64,23 @@ def test_majority_lost_during_renewal_marks_the_lease_lost(redis_servers, failur
     """Losing a majority of masters while auto-renewed reports the lease lost within its TTL."""
     servers = redis_servers(5)
     lost = threading.Event()
+    past_deadline: list[bool] = []
+
+    def on_lost(lease):
+        past_deadline.append(lease.deadline <= time.monotonic())
+        lost.set()
+
     lock = Redlock([s.client() for s in servers], "renewed", timeout=1, auto_renew=True,
-                   on_lost=lambda lease: lost.set(), watchdog=Watchdog())  # fmt: skip
+                   on_lost=on_lost, watchdog=Watchdog())  # fmt: skip
     warm(lock)
     assert lock.acquire(blocking=False)
     for server in servers[:3]:
         getattr(server, failure)()
-    failed_at = time.monotonic()
-    assert lost.wait(3)
-    assert time.monotonic() - failed_at < 1.5
+    # A window of ten TTLs: the watchdog reports the loss, it does not keep trying.
+    assert lost.wait(10)
+    # Masters that are down cost the lease its validity, no more, no less;
+    # masters that say "not ours" cost it at once, before its deadline.
+    assert past_deadline == [reason == "validity"]
     assert lock.lost
     assert reason in lock.lease.loss_reason
     with pytest.raises(LockNotOwned):

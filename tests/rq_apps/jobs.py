@@ -7,8 +7,10 @@ counter that must never exceed one.
 
 from __future__ import annotations
 
+import os
 import time
 
+import redis
 from rq import get_current_job
 
 from celery_redlock import current_lock
@@ -18,6 +20,8 @@ RUNS = "jobs:runs"
 RELEASE = "jobs:release"
 LOG = "jobs:log"
 HOLDERS = "jobs:holders"
+#: Environment variable naming the lock store of ``locked_elsewhere`` (a worker's setting).
+LOCK_STORE_ENV = "REDLOCK_TEST_RQ_LOCK_STORE"
 
 
 def _connection():
@@ -70,3 +74,26 @@ def serial(item):
     end = time.time()
     connection.rpush(LOG, f"{start}:{end}:{holders}:{current_lock().fence}")
     return item
+
+
+@singleton_job(ttl=60, on_conflict="raise")
+def fails_first(item):
+    """Fail on the first run, succeed on the next; the TTL outlives every test."""
+    connection = _connection()
+    if connection.incr(RUNS) == 1:
+        raise ValueError(f"the first run of {item} fails")
+    return f"ran {item}"
+
+
+def _lock_store():
+    url = os.environ.get(LOCK_STORE_ENV)
+    if url is None:
+        return None  # the worker's own connection (the test process only enqueues)
+    return redis.Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=0.2)
+
+
+@singleton_job(on_redis_error="requeue", max_requeues=0, client=_lock_store())
+def locked_elsewhere():
+    """Lock on the server ``$REDLOCK_TEST_RQ_LOCK_STORE`` names, not the queue's."""
+    _connection().incr(RUNS)
+    return "ran"

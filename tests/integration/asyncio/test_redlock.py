@@ -107,28 +107,27 @@ def test_a_holder_on_a_majority_is_reported(redis_servers):
 
 
 def test_hung_master_costs_acquire_and_release_nothing(redis_servers):
-    """One of three masters SIGSTOPped: acquire+release take milliseconds, not the node timeout."""
+    """One of three masters SIGSTOPped: no acquire or release waits for it."""
     servers = redis_servers(3)
 
     async def scenario(clients):
-        lock = Redlock(clients, "rl", timeout=10, node_timeout=2)
+        # A node timeout longer than the window below: an acquire or release
+        # that waited for the hung master could not return within it.
+        lock = Redlock(clients, "rl", timeout=120, node_timeout=30)
         assert await lock.acquire(blocking=False)  # connections opened, scripts cached
         await lock.release()
         fence = int(await clients[2].get("{rl}:fence"))
         servers[2].pause()
-        try:
-            cycles = []
+
+        async def cycles():
             for _ in range(10):
-                started = time.monotonic()
                 assert await lock.acquire(blocking=False), lock.local.failure
                 await lock.release()
-                cycles.append(time.monotonic() - started)
+
+        try:
+            await asyncio.wait_for(cycles(), 20)
         finally:
             servers[2].resume()
-        print(
-            f"\nhung master: slowest acquire+release {max(cycles) * 1000:.1f} ms (node timeout 2 s)"
-        )
-        assert max(cycles) < 0.5
         # Once resumed it runs each queued acquire, then the release sent behind it.
         assert await eventually(lambda: no_key(clients))
         # Queued acquires met each other's keys there, so at least one (not all) granted.
@@ -149,15 +148,13 @@ def test_a_lost_vote_fails_at_once_despite_a_hung_master(redis_servers):
             await client.set("rl", "other-holder", px=8000)
         servers[2].pause()
         try:
-            started = time.monotonic()
             with pytest.raises(QuorumNotAchieved) as info:
                 async with Redlock(clients, "rl", timeout=10, node_timeout=2, blocking_timeout=0):
                     pass
-            elapsed = time.monotonic() - started
         finally:
             servers[2].resume()
-        assert elapsed < 0.5
         error = info.value
+        # Not "no answer within the node timeout": the attempt ended before it.
         assert "not awaited" in str(error.errors[lock.nodes[2]])
         assert await eventually(lambda: no_key(clients[2:]))
 
@@ -201,13 +198,12 @@ def test_late_grant_of_a_failed_attempt_is_released_when_it_lands(redis_servers)
         await clients[0].set("rl", "other-holder", px=30000)
         servers[2].pause()
         try:
-            started = time.monotonic()
-            assert not await lock.acquire(blocking=False)
-            elapsed = time.monotonic() - started
+            # 1 yes, 1 no, 1 silent: undecided until the node timeout, which
+            # the error below names; the window is far beyond it.
+            assert not await asyncio.wait_for(lock.acquire(blocking=False), 10)
             assert not await clients[1].exists("rl")  # the grant that answered: undone
         finally:
             servers[2].resume()
-        assert 0.29 < elapsed < 1.0  # 1 yes, 1 no, 1 silent: undecided until the node timeout
         error = lock.local.failure
         assert "node timeout" in str(error.errors[lock.nodes[2]])
         assert await eventually(lambda: no_key(clients[1:]))

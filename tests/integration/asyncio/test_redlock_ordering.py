@@ -10,7 +10,6 @@ release that lands late cannot delete a later attempt's grant.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import redis.exceptions
@@ -47,14 +46,13 @@ def test_a_hung_master_keeps_a_bounded_backlog_and_fails_at_once(redis_servers):
             # Another holder on a master: the vote needs the hung one, which
             # now fails at once instead of costing the node timeout.
             await clients[0].set("rl", "other-holder", px=30000)
-            started = time.monotonic()
             assert not await lock.acquire(blocking=False)
-            elapsed = time.monotonic() - started
             error = lock.local.failure.errors[lock.nodes[2]]
             await clients[0].delete("rl")
         finally:
             servers[2].resume()
-        assert elapsed < 0.25
+        # Failed at once for the backlog, not after waiting out the node timeout
+        # (that error would say "no answer within the node timeout").
         assert isinstance(error, redis.exceptions.ConnectionError), error
         assert "pending" in str(error)
         # Resumed, the master runs what was queued (each release behind its

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
 from rq import Queue
-from rq.job import Job, JobStatus
+from rq.job import JobStatus
 from rq.registry import FailedJobRegistry
 
-from celery_redlock import ConfigurationError, LockNotAcquired
+from celery_redlock import ConfigurationError
 from celery_redlock.rq import enqueue_once, singleton_job
 from tests.rq_apps import jobs
 from tests.rq_harness import rq_workers, wait_until
@@ -106,29 +105,47 @@ def test_bad_options_are_named():
     assert info.value.setting == "max_requeues"
 
 
-def job_with_its_own_lock_store():
-    """Decorated by the test below, with a lock client known only at run time."""
-    return "ran"
-
-
+@pytest.mark.timeout(90)
 def test_requeues_run_out_on_a_lock_store_that_stays_down_naming_the_outage(
-    redis_server, redis_servers, monkeypatch
+    redis_server, redis_servers, tmp_path
 ):
     """A job whose lock store stays down fails naming the outage, not "held by another holder"."""
     (down,) = redis_servers(1)
-    lock_client = down.client(socket_timeout=0.2, socket_connect_timeout=0.2)
-    guarded = singleton_job(
-        job_with_its_own_lock_store, client=lock_client, on_redis_error="requeue", max_requeues=0
-    )
-    # RQ finds the function by its name: make that name the decorated one.
-    monkeypatch.setattr(sys.modules[__name__], "job_with_its_own_lock_store", guarded)
-    job = Job.create(guarded, connection=redis_server.client())
+    client = redis_server.client()
+    queue = Queue("outage", connection=client)
+    job = queue.enqueue(jobs.locked_elsewhere)
+    env = {jobs.LOCK_STORE_ENV: down.url}
     down.pause()
     try:
-        with pytest.raises(LockNotAcquired) as failed:
-            job.perform()
+        with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True, env=env) as (w,):
+            assert w.wait(60) == 0, w.log()
     finally:
         down.resume()
-    message = str(failed.value)
+    assert job.get_status() == JobStatus.FAILED, w.log()
+    message = job.latest_result().exc_string
+    assert "LockNotAcquired" in message
     assert "gave up after 0 requeues" in message and "kept failing" in message
     assert "held by" not in message
+    assert client.get(jobs.RUNS) is None  # the body never ran without its lock
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_job_releases_its_lock(redis_server, tmp_path):
+    """A job that raises releases its lock when it fails, so the same call runs next time."""
+    client = redis_server.client()
+    queue = Queue("fails", connection=client)
+    key = jobs.fails_first.lock_key_for("x")
+    first = queue.enqueue(jobs.fails_first, "x")
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as (worker,):
+        assert worker.wait(60) == 0, worker.log()
+    assert first.get_status() == JobStatus.FAILED, worker.log()
+    assert "ValueError: the first run of x fails" in first.latest_result().exc_string
+    # The TTL is 60 s: only a release can have removed the key.
+    assert not client.exists(key)
+    second = queue.enqueue(jobs.fails_first, "x")
+    with rq_workers(redis_server.url, queue.name, tmp_path / "again", 1, burst=True) as (worker,):
+        assert worker.wait(60) == 0, worker.log()
+    assert second.get_status() == JobStatus.FINISHED, worker.log()
+    assert second.return_value() == "ran x"
+    assert int(client.get(jobs.RUNS)) == 2
+    assert not client.exists(key)
