@@ -1,11 +1,13 @@
-"""The ``celery redlock`` commands, and the ``--redlock-queues`` and ``--redlock-recover`` options.
+"""The ``celery redlock`` commands, and the worker options of celery-redlock.
 
 Celery loads this module through the ``celery.commands`` entry point whenever
 the ``celery`` program starts, before it loads the app. It then adds the
-worker options to ``celery worker`` and installs celery-redlock in any worker
-started with one of them or with ``redlock_queues`` configured. The operator
-commands (``list``, ``show``, ``release``, ``purge``, ``stats``) live in
-:mod:`celery_redlock.ops_cli`.
+worker options (``--redlock-queues``, ``--redlock-recover``,
+``--redlock-metrics-port``) to ``celery worker`` and installs celery-redlock in
+any worker started with one of them or with ``redlock_queues`` configured. The
+operator commands (``list``, ``show``, ``release``, ``purge``, ``stats``) live
+in :mod:`celery_redlock.ops_cli`, the dashboard (``web``) in
+:mod:`celery_redlock.ops.web`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from . import control  # noqa: F401  # registers redlock_stats for `celery inspe
 from .bootsteps import check_lock_store
 from .conf import check_settings, flag, lock_url
 from .exceptions import ConfigurationError
-from .install import RECOVER_OPTION_NAME, WORKER_OPTION_NAME, install, worker_options
+from .install import (
+    METRICS_OPTION_NAME,
+    RECOVER_OPTION_NAME,
+    WORKER_OPTION_NAME,
+    install,
+    worker_options,
+)
+from .ops.web.command import web
 from .ops_cli import COMMANDS
+from .worker_ops import read_ops_settings
 
 __all__ = ["redlock"]
 
@@ -42,6 +52,7 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
         queues = check_settings(app.conf)
         flag(app.conf, "redlock_recover_stale", True)
         flag(app.conf, "redlock_stats", True)
+        read_ops_settings(app.conf)
         app.finalize()  # binds SingletonTasks, which validates their options
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
@@ -56,12 +67,16 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
     # step added here still takes part. Only the CLI process connects this.
     app = sender.app
     options = sender.options
-    asked = options.get(WORKER_OPTION_NAME) or options.get(RECOVER_OPTION_NAME) is not None
+    asked = (
+        options.get(WORKER_OPTION_NAME)
+        or options.get(RECOVER_OPTION_NAME) is not None
+        or options.get(METRICS_OPTION_NAME) is not None
+    )
     if asked or app.conf.get("redlock_queues"):
         install(app)
 
 
-for _command in COMMANDS:
+for _command in (*COMMANDS, web):
     redlock.add_command(_command)
 _known = {param.name for param in worker_command.params}
 for _option in worker_options():

@@ -14,9 +14,11 @@ from typing import Any
 import click
 
 __all__ = [
+    "METRICS_OPTION_NAME",
     "RECOVER_OPTION_NAME",
     "WORKER_OPTION_NAME",
     "install",
+    "metrics_option",
     "recover_option",
     "worker_option",
     "worker_options",
@@ -27,6 +29,8 @@ WORKER_OPTION_NAME = "redlock_queues"
 #: The keyword ``--redlock-recover/--no-redlock-recover`` reaches bootsteps as:
 #: the name of the setting it overrides.
 RECOVER_OPTION_NAME = "redlock_recover_stale"
+#: The keyword ``--redlock-metrics-port`` reaches bootsteps as: the setting it overrides.
+METRICS_OPTION_NAME = "redlock_metrics_port"
 
 _installed: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -63,9 +67,27 @@ def recover_option() -> click.Option:
     return option
 
 
+def metrics_option() -> click.Option:
+    """Return the ``--redlock-metrics-port`` option of ``celery worker``."""
+    from celery.bin.base import CeleryOption
+
+    option: click.Option = CeleryOption(
+        ["--redlock-metrics-port", METRICS_OPTION_NAME],
+        type=int,
+        default=None,
+        help_group="Locking Options",
+        help=(
+            "celery-redlock: serve this worker's lock metrics in Prometheus format on this "
+            "port (bound to redlock_metrics_host, default 127.0.0.1); overrides the "
+            "redlock_metrics_port setting."
+        ),
+    )
+    return option
+
+
 def worker_options() -> list[click.Option]:
     """Return the options celery-redlock adds to ``celery worker``."""
-    return [worker_option(), recover_option()]
+    return [worker_option(), recover_option(), metrics_option()]
 
 
 def install(app: Any) -> None:
@@ -74,9 +96,11 @@ def install(app: Any) -> None:
     Adds the worker bootstep that validates the redlock settings at worker
     start, checks the lock store, turns on per-queue locking and the lock
     counters, and releases the stale locks of a dead earlier run of the
-    worker; the consumer bootstep that checks each queue the worker is told
-    to consume at runtime (``add_consumer``); the ``--redlock-queues`` and
-    ``--redlock-recover`` worker options
+    worker; the bootstep of the reaper, the counters' history and the
+    metrics endpoint (:mod:`celery_redlock.worker_ops`); the consumer
+    bootstep that checks each queue the worker is told to consume at runtime
+    (``add_consumer``); the ``--redlock-queues``, ``--redlock-recover`` and
+    ``--redlock-metrics-port`` worker options
     (unless the ``celery redlock`` plugin already added them); and the signal
     handler that releases the lock of a task killed by
     ``revoke(terminate=True, signal="SIGKILL")``. Call it from the module that
@@ -90,11 +114,13 @@ def install(app: Any) -> None:
     from . import hooks
     from .added_queues import AddedQueuesStep
     from .bootsteps import RedlockStep
+    from .worker_ops import OpsStep
 
     known = {param.name for param in worker_command.params}
     for option in worker_options():
         if option.name not in known:
             app.user_options["worker"].add(option)
     app.steps["worker"].add(RedlockStep)
+    app.steps["worker"].add(OpsStep)
     app.steps["consumer"].add(AddedQueuesStep)
     hooks.connect()

@@ -25,3 +25,9 @@ def test_test_extra_builds_the_docs():
     """The docs build runs in the test suite, so test holds the docs extra (on Python >= 3.10)."""
     marker = '; python_version >= "3.10"'
     assert {f"{requirement}{marker}" for requirement in extra("docs")} <= extra("test")
+
+
+def test_test_extra_covers_the_web_extra():
+    """The dashboard and metrics tests run in the test install, so test holds all of web."""
+    assert extra("web"), "the web extra is empty"
+    assert extra("web") <= extra("test")
