@@ -55,9 +55,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Why a lock was reaped: its holder's pid is gone, or its worker fell silent.
+#: A lock was reaped because its holder, a process of this worker, is gone.
 PID_GONE = "pid_gone"
+#: A lock was reaped because its holder's worker fell silent and stopped renewing it.
 WORKER_SILENT = "worker_silent"
+#: Why a lock can be reaped, as the metrics count it.
 REASONS = (PID_GONE, WORKER_SILENT)
 
 #: Share of the TTL that may be left at most for the renewals to count as stopped.

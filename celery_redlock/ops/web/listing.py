@@ -105,10 +105,13 @@ def _decode(raw: Any) -> str:
 
 def _pattern(prefix: str, filters: Filters) -> str:
     # lock_pattern(prefix) is "<prefix>:v1:{*:*"; a task filter narrows the
-    # task part to names containing it.
-    if not filters.task:
-        return lock_pattern(prefix)
-    return f"{glob_escape(prefix)}:{KEY_VERSION}:{{*{glob_escape(filters.task)}*:*"
+    # task part to names containing it; else a key text lets the server drop
+    # every other key (the prefix is checked on the keys that come back).
+    if filters.task:
+        return f"{glob_escape(prefix)}:{KEY_VERSION}:{{*{glob_escape(filters.task)}*:*"
+    if filters.text:
+        return f"*{glob_escape(filters.text)}*"
+    return lock_pattern(prefix)
 
 
 def _matching(keys: Sequence[Any], prefix: str, filters: Filters) -> list[str]:
