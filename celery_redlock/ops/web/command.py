@@ -79,8 +79,6 @@ def web(
     """
     app = ctx.obj.app
     try:
-        from werkzeug.serving import make_server
-
         from .app import LOOPBACK_NAMES, create_app
         from .security import auth_from
     except ImportError as exc:
@@ -108,12 +106,17 @@ def web(
         ping_timeout=timeout,
         hosts=hosts,
     )
+    _serve(flask_app, host, port)
+
+
+def _serve(flask_app: Any, host: str, port: int) -> None:
+    """Serve ``flask_app`` on ``host:port``, threaded, until interrupted; print its address."""
+    from werkzeug.serving import make_server
+
     server = make_server(host, port, flask_app, threaded=True)
     shown = f"[{host}]" if ":" in host else host
-    click.echo(
-        f"celery-redlock dashboard on http://{shown}:{server.port}/ "
-        f"({flask_app.extensions['celery_redlock'].mode})",
-    )
+    mode = flask_app.extensions["celery_redlock"].mode
+    click.echo(f"celery-redlock dashboard on http://{shown}:{server.port}/ ({mode})")
     sys.stdout.flush()
     try:
         server.serve_forever()
