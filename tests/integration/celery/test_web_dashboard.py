@@ -49,6 +49,12 @@ def storm_env(storm_env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.fixture
+def browser_ready() -> None:
+    """Chromium is there; checked before any worker starts (skip, or fail under CI=true)."""
+    require_browser()
+
+
+@pytest.fixture
 def gates(db9: redis.Redis, worker_factory: WorkerFactory) -> Iterator[list[str]]:
     """Gate keys of held calls; opened at teardown so workers stop at once."""
     opened: list[str] = []
@@ -124,6 +130,7 @@ def text_of(browser: Any, selector: str) -> str:
 
 @pytest.mark.timeout(180)
 def test_locks_filter_detail_release_and_stats_in_a_browser(
+    browser_ready: None,
     storm_env: dict[str, str],
     storm_app: Celery,
     worker_factory: WorkerFactory,
@@ -134,7 +141,6 @@ def test_locks_filter_detail_release_and_stats_in_a_browser(
 ) -> None:
     """The locks page lists both holders with TTL; the filter keeps one; the dead holder's
     lock is released through the confirmation step; the live one's is refused; stats chart."""
-    require_browser()
     from selenium.webdriver.common.by import By
 
     live = worker_factory.create("threads", 2)
@@ -216,6 +222,7 @@ def test_locks_filter_detail_release_and_stats_in_a_browser(
 
 @pytest.mark.timeout(90)
 def test_read_only_dashboard_shows_no_action_in_a_browser(
+    browser_ready: None,
     storm_env: dict[str, str],
     storm_app: Celery,
     worker_factory: WorkerFactory,
@@ -225,7 +232,6 @@ def test_read_only_dashboard_shows_no_action_in_a_browser(
     tmp_path: Path,
 ) -> None:
     """--read-only: the page says so and the lock page has no release button."""
-    require_browser()
     from selenium.webdriver.common.by import By
 
     live = worker_factory("threads", 2)
