@@ -15,10 +15,12 @@ from typing import Any
 import click
 
 __all__ = [
+    "METRICS_OPTION_NAME",
     "RECOVER_OPTION_NAME",
     "WORKER_OPTION_NAME",
     "connect_worker",
     "install",
+    "metrics_option",
     "recover_option",
     "worker_option",
     "worker_options",
@@ -29,6 +31,8 @@ WORKER_OPTION_NAME = "redlock_queues"
 #: The keyword ``--redlock-recover/--no-redlock-recover`` reaches bootsteps as:
 #: the name of the setting it overrides.
 RECOVER_OPTION_NAME = "redlock_recover_stale"
+#: The keyword ``--redlock-metrics-port`` reaches bootsteps as: the setting it overrides.
+METRICS_OPTION_NAME = "redlock_metrics_port"
 
 # Apps already connected, and apps whose worker options were already added.
 _connected: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -67,9 +71,27 @@ def recover_option() -> click.Option:
     return option
 
 
+def metrics_option() -> click.Option:
+    """Return the ``--redlock-metrics-port`` option of ``celery worker``."""
+    from celery.bin.base import CeleryOption
+
+    option: click.Option = CeleryOption(
+        ["--redlock-metrics-port", METRICS_OPTION_NAME],
+        type=int,
+        default=None,
+        help_group="Locking Options",
+        help=(
+            "celery-redlock: serve this worker's lock metrics in Prometheus format on this "
+            "port (bound to redlock_metrics_host, default 127.0.0.1); overrides the "
+            "redlock_metrics_port setting."
+        ),
+    )
+    return option
+
+
 def worker_options() -> list[click.Option]:
     """Return the options celery-redlock adds to ``celery worker``."""
-    return [worker_option(), recover_option()]
+    return [worker_option(), recover_option(), metrics_option()]
 
 
 def install(app: Any) -> None:
@@ -78,9 +100,9 @@ def install(app: Any) -> None:
     A ``SingletonTask`` bound to the app connects it by itself
     (:func:`connect_worker`); call this from the module that creates the app
     when only queues are locked (``redlock_queues``, ``--redlock-queues``).
-    Besides what :func:`connect_worker` does, it adds the ``--redlock-queues``
-    and ``--redlock-recover`` worker options (unless the ``celery redlock``
-    plugin already added them). Calling it again does nothing.
+    Besides what :func:`connect_worker` does, it adds the ``--redlock-queues``,
+    ``--redlock-recover`` and ``--redlock-metrics-port`` worker options (unless
+    the ``celery redlock`` plugin already added them). Calling it again does nothing.
     """
     if app in _options_added:
         return
@@ -99,7 +121,9 @@ def connect_worker(app: Any) -> None:
 
     The worker bootstep validates the redlock settings at worker start, checks
     the lock store, turns on per-queue locking and the lock counters, and
-    releases the stale locks of a dead earlier run of the worker; the consumer
+    releases the stale locks of a dead earlier run of the worker; the ops
+    bootstep runs the reaper, the counters' history and the metrics endpoint
+    (:mod:`celery_redlock.celery.worker_ops`); the consumer
     bootstep checks each queue the worker is told to consume at runtime
     (``add_consumer``); the signal handler releases the lock of a task killed
     by ``revoke(terminate=True, signal="SIGKILL")``. ``SingletonTask`` calls it
@@ -112,7 +136,9 @@ def connect_worker(app: Any) -> None:
     from . import hooks
     from .added_queues import AddedQueuesStep
     from .bootsteps import RedlockStep
+    from .worker_ops import OpsStep
 
     app.steps["worker"].add(RedlockStep)
+    app.steps["worker"].add(OpsStep)
     app.steps["consumer"].add(AddedQueuesStep)
     hooks.connect()

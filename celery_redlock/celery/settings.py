@@ -48,6 +48,13 @@ SETTINGS = frozenset(
         "redlock_transport_options",
         "redlock_recover_stale",
         "redlock_stats",
+        "redlock_reaper",
+        "redlock_reaper_interval",
+        "redlock_reaper_unresponsive_after",
+        "redlock_metrics_port",
+        "redlock_metrics_host",
+        "redlock_web_token",
+        "redlock_web_basic_auth",
     }
     | {f"redlock_{name}" for name, option in OPTIONS.items() if option.app_wide}
 )

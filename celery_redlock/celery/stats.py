@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import signals
@@ -65,14 +65,18 @@ class StatsTable:
     Args:
         tasks: The task names to count (others share one row).
         processes: How many pool processes may write at once.
+        counters: The names of each task's cells (default: :data:`COUNTERS`).
     """
 
-    def __init__(self, tasks: Iterable[str], processes: int) -> None:
+    def __init__(
+        self, tasks: Iterable[str], processes: int, counters: Sequence[str] = COUNTERS
+    ) -> None:
         self.tasks = [*sorted(set(tasks) - {OTHER_TASKS}), OTHER_TASKS]
+        self.counters = tuple(counters)
         self._rows = {name: i for i, name in enumerate(self.tasks)}
         self.slots = max(1, processes) + 1
         self.started_at = time.time()
-        self._width = len(self.tasks) * len(COUNTERS)
+        self._width = len(self.tasks) * len(self.counters)
         # mmap(-1, n) is anonymous and MAP_SHARED: forked children write the
         # very pages the parent reads.
         self._memory = mmap.mmap(-1, self.slots * self._width * _CELL)
@@ -94,28 +98,29 @@ class StatsTable:
         self._base = slot * self._width
         return self._base
 
-    def add(self, task: str, counter: int) -> None:
-        """Add one to ``counter`` (an index into :data:`COUNTERS`) of ``task``."""
+    def add(self, task: str, counter: int, amount: int = 1) -> None:
+        """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
         row = self._rows.get(task)
         if row is None:
             row = self._rows[OTHER_TASKS]
         base = self._base if self._base is not None else self._own_base()
-        cell = base + row * len(COUNTERS) + counter
+        cell = base + row * len(self.counters) + counter
         with self._lock:
-            self._cells[cell] += 1
+            self._cells[cell] += amount
 
     def totals(self) -> dict[str, dict[str, int]]:
         """Return the sums over every process, per task; tasks never counted are left out."""
         result: dict[str, dict[str, int]] = {}
         cells = self._cells
+        width = len(self.counters)
         for row, task in enumerate(self.tasks):
-            sums = [0] * len(COUNTERS)
+            sums = [0] * width
             for slot in range(self.slots):
-                start = slot * self._width + row * len(COUNTERS)
-                for i in range(len(COUNTERS)):
+                start = slot * self._width + row * width
+                for i in range(width):
                     sums[i] += cells[start + i]
             if any(sums):
-                result[task] = dict(zip(COUNTERS, sums))
+                result[task] = dict(zip(self.counters, sums))
         return result
 
     def report(self) -> dict[str, Any]:

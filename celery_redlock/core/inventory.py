@@ -20,9 +20,11 @@ from .keys import KEY_VERSION
 from .lock_options import fence_key_for
 
 __all__ = [
+    "RESERVATION_SUFFIX",
     "LockInfo",
     "clients_of",
     "find_locks",
+    "glob_escape",
     "lock_pattern",
     "parse_key",
     "read_locks",
@@ -34,26 +36,36 @@ READ_BATCH = 200
 #: SCAN's COUNT hint: how many slots the server visits per call.
 SCAN_COUNT = 1000
 
+#: Suffix of an enqueue reservation's key (``reservation_key`` in celery/window.py).
+RESERVATION_SUFFIX = ":queued"
+
 _KEY = re.compile(
-    rf"^(?P<prefix>.+):{KEY_VERSION}:\{{(?P<task>.+):(?P<digest>[0-9a-f]{{64}})\}}$", re.S
+    rf"^(?P<prefix>.+):{KEY_VERSION}:\{{(?P<task>.+):(?P<digest>[0-9a-f]{{64}})\}}"
+    rf"(?P<reserved>{RESERVATION_SUFFIX})?$",
+    re.S,
 )
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """Escape the ``SCAN MATCH`` glob characters of ``text``."""
     return _GLOB_SPECIAL.sub(r"\\\1", text)
 
 
 def lock_pattern(prefix: str, task: str | None = None) -> str:
     """Return the ``SCAN MATCH`` pattern of the locks under ``prefix`` (of one task, if given)."""
-    name = _glob_escape(task) if task is not None else "*"
-    return f"{_glob_escape(prefix)}:{KEY_VERSION}:{{{name}:*"
+    name = glob_escape(task) if task is not None else "*"
+    return f"{glob_escape(prefix)}:{KEY_VERSION}:{{{name}:*"
 
 
-def parse_key(key: str) -> tuple[str, str] | None:
-    """Return ``(prefix, task name)`` of a task lock key, ``None`` for any other key."""
+def parse_key(key: str, *, reservations: bool = False) -> tuple[str, str] | None:
+    """Return ``(prefix, task name)`` of a task lock key, ``None`` for any other key.
+
+    With ``reservations``, the key of an enqueue reservation (the lock key
+    plus :data:`RESERVATION_SUFFIX`) is read too.
+    """
     match = _KEY.match(key)
-    if match is None:
+    if match is None or (match["reserved"] and not reservations):
         return None
     return match["prefix"], match["task"]
 
@@ -106,6 +118,11 @@ class LockInfo:
     ttl: float | None
     fence: int | None
     server_time: float
+
+    @property
+    def kind(self) -> str:
+        """``"reservation"`` for an enqueue reservation's key, else ``"lock"``."""
+        return "reservation" if self.key.endswith("}" + RESERVATION_SUFFIX) else "lock"
 
     @property
     def acquired_at(self) -> float | None:
@@ -184,22 +201,26 @@ def _server_time(client: Any) -> float:
         return time.time()
 
 
-def read_locks(client: Any, keys: Sequence[str]) -> list[LockInfo]:
-    """Read ``keys`` in one pipelined round trip; keys gone meanwhile are left out."""
+def read_locks(client: Any, keys: Sequence[str], *, reservations: bool = False) -> list[LockInfo]:
+    """Read ``keys`` in one pipelined round trip; keys gone meanwhile are left out.
+
+    Enqueue reservations are read only with ``reservations``; their fence is
+    the one of the lock they reserve.
+    """
     if not keys:
         return []
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.get(key)
         pipe.pttl(key)
-        pipe.get(fence_key_for(key))
+        pipe.get(fence_key_for(key.removesuffix(RESERVATION_SUFFIX)))
     replies = pipe.execute()
     now = _server_time(client)
     found: list[LockInfo] = []
     for i, key in enumerate(keys):
         raw, pttl_ms, fence = replies[3 * i : 3 * i + 3]
         value = _decode(raw)
-        parsed = parse_key(key)
+        parsed = parse_key(key, reservations=reservations)
         if value is None or parsed is None:
             continue
         fence_text = _decode(fence)

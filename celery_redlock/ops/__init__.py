@@ -1,4 +1,4 @@
-"""What operators run: the ``celery redlock`` command group and its commands.
+"""What operators run: the ``celery redlock`` command group, its commands and the dashboard.
 
 The top layer: it may import every other folder of the package and Celery.
 Nothing in the package imports it.

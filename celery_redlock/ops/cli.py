@@ -1,13 +1,15 @@
-"""The ``celery redlock`` commands, and the ``--redlock-queues`` and ``--redlock-recover`` options.
+"""The ``celery redlock`` commands, and the worker options of celery-redlock.
 
 Celery loads ``redlock`` (the command group) through the ``celery.commands`` entry point
 whenever the ``celery`` program starts, before it loads the app. Importing
 this module changes nothing; loading ``redlock`` from it (as the entry point
 does) calls :func:`plug_in`, which adds the worker options to ``celery
-worker``, registers the ``redlock_stats`` inspect command, and installs
-celery-redlock in any worker started with one of the options or with
-``redlock_queues`` configured. The operator commands (``list``, ``show``,
-``release``, ``purge``, ``stats``) live in :mod:`celery_redlock.ops.commands`.
+worker`` (``--redlock-queues``, ``--redlock-recover``,
+``--redlock-metrics-port``), registers the ``redlock_stats`` inspect command,
+and installs celery-redlock in any worker started with one of the options or
+with ``redlock_queues`` configured. The operator commands (``list``, ``show``,
+``release``, ``purge``, ``stats``) live in :mod:`celery_redlock.ops.commands`,
+the dashboard (``web``) in :mod:`celery_redlock.ops.web`.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from celery.bin.worker import worker as worker_command
 from celery_redlock.celery import control
 from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.celery.install import (
+    METRICS_OPTION_NAME,
     RECOVER_OPTION_NAME,
     WORKER_OPTION_NAME,
     install,
     worker_options,
 )
 from celery_redlock.celery.settings import check_settings, flag, lock_url
+from celery_redlock.celery.worker_ops import read_ops_settings
 from celery_redlock.core.exceptions import ConfigurationError
 
 from .commands import COMMANDS
+from .web.command import web
 
 # ``redlock``, the command group, is read through __getattr__ (see the end).
 __all__ = ["plug_in"]
@@ -46,6 +51,7 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
         queues = check_settings(app.conf)
         flag(app.conf, "redlock_recover_stale", True)
         flag(app.conf, "redlock_stats", True)
+        read_ops_settings(app.conf)
         app.finalize()  # binds SingletonTasks, which validates their options
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
@@ -57,7 +63,7 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
 
 _group = click.Group(
     name="redlock",
-    commands=[check, *COMMANDS],
+    commands=[check, *COMMANDS, web],
     help="Inspect celery-redlock's configuration and lock store.",
 )
 
@@ -67,7 +73,11 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
     # step added here still takes part. Only the CLI process connects this.
     app = sender.app
     options = sender.options
-    asked = options.get(WORKER_OPTION_NAME) or options.get(RECOVER_OPTION_NAME) is not None
+    asked = (
+        options.get(WORKER_OPTION_NAME)
+        or options.get(RECOVER_OPTION_NAME) is not None
+        or options.get(METRICS_OPTION_NAME) is not None
+    )
     if asked or app.conf.get("redlock_queues"):
         install(app)
 

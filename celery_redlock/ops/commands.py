@@ -27,7 +27,7 @@ from celery_redlock.core.recovery import lock_prefixes, pid_alive
 from celery_redlock.core.scripts import RELEASE
 from celery_redlock.core.store import store_for
 
-__all__ = ["COMMANDS", "Liveness", "holder_liveness"]
+__all__ = ["COMMANDS", "Liveness", "ReleaseOutcome", "holder_liveness", "release_checked"]
 
 #: Seconds a remote-control request waits for replies, unless ``--timeout`` says otherwise.
 DEFAULT_TIMEOUT = 1.0
@@ -235,6 +235,62 @@ def holder_liveness(app: Any, holder: Holder | None, timeout: float) -> Liveness
     return Liveness(False, f"{silent} (pid {holder.pid} on {where} cannot be checked from here)")
 
 
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What a checked release did, in the words the CLI and the dashboard show.
+
+    Attributes:
+        released: Whether the lock was deleted.
+        refused: Whether it was left because its holder is or may be alive.
+        message: One sentence: what happened and what was checked.
+    """
+
+    released: bool
+    refused: bool
+    message: str
+
+
+def release_checked(
+    app: Any,
+    info: LockInfo,
+    force: bool,
+    timeout: float,
+    force_hint: str = "use --force to release it anyway",
+) -> ReleaseOutcome:
+    """Release ``info`` if its holder is gone, or if ``force``; say what was checked.
+
+    The holder is checked with :func:`holder_liveness`; a holder that is
+    alive, or whose state cannot be told, is refused unless ``force``. The
+    deletion is a compare-and-delete of the value in ``info`` on every master,
+    so a lock that changed hands meanwhile is left alone. ``force_hint`` ends
+    a refusal: how to force the release where the caller asks.
+    """
+    key, holder = info.key, info.holder
+    who = f"task {holder.task_id} on {holder.hostname}" if holder else "an unknown holder"
+    if info.kind == "reservation":
+        liveness = Liveness(
+            None,
+            "an enqueue reservation names the process that published the task, whose "
+            "state says nothing about the queued message",
+        )
+    else:
+        liveness = holder_liveness(app, holder, timeout)
+    if liveness.alive is not False and not force:
+        state = "is alive" if liveness.alive else "may be alive"
+        return ReleaseOutcome(
+            False,
+            True,
+            f"refused: {key} is held by {who}, which {state} ({liveness.reason}); {force_hint}",
+        )
+    if not _delete(app, info):
+        changed = f"{key} changed hands or expired meanwhile; nothing deleted"
+        return ReleaseOutcome(False, False, changed)
+    forced = " (forced)" if liveness.alive is not False else ""
+    return ReleaseOutcome(
+        True, False, f"released {key}{forced}: it was held by {who}; {liveness.reason}"
+    )
+
+
 @click.command(name="release", cls=CeleryCommand)
 @click.argument("key")
 @click.option("--force", is_flag=True, help="Release even if the holder's worker is alive.")
@@ -247,20 +303,10 @@ def release(ctx: click.Context, /, key: str, force: bool, timeout: float, **kwar
     told, unless --force. The deletion is a compare-and-delete of the value read.
     """
     app = _app(ctx)
-    info = _read_one(app, key)
-    holder = info.holder
-    who = f"task {holder.task_id} on {holder.hostname}" if holder else "an unknown holder"
-    liveness = holder_liveness(app, holder, timeout)
-    if liveness.alive is not False and not force:
-        state = "is alive" if liveness.alive else "may be alive"
-        _fail(
-            f"refused: {key} is held by {who}, which {state} ({liveness.reason}); "
-            "use --force to release it anyway"
-        )
-    if not _delete(app, info):
-        _fail(f"{key} changed hands or expired meanwhile; nothing deleted")
-    forced = " (forced)" if liveness.alive is not False else ""
-    click.echo(f"released {key}{forced}: it was held by {who}; {liveness.reason}")
+    outcome = release_checked(app, _read_one(app, key), force, timeout)
+    if not outcome.released:
+        _fail(outcome.message)
+    click.echo(outcome.message)
 
 
 @click.command(name="purge", cls=CeleryCommand)

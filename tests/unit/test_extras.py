@@ -49,3 +49,9 @@ def test_the_celery_extra_runs_a_redis_broker_worker():
 def test_demo_and_test_extras_hold_the_celery_extra():
     """scripts/demo and scripts/test run Celery workers, so their extras include Celery's."""
     assert extra("celery") <= extra("demo") <= extra("test")
+
+
+def test_test_extra_covers_the_web_extra():
+    """The dashboard and metrics tests run in the test install, so test holds all of web."""
+    assert extra("web"), "the web extra is empty"
+    assert extra("web") <= extra("test")

@@ -226,8 +226,12 @@ def test_loading_the_cli_group_plugs_into_celery_once():
     )
     changes = _last_json(f"MODULES = ['celery_redlock.ops.cli']\n{code}")
     before, after = changes["worker options"]
-    assert sorted({*after} - {*before}) == ["redlock_queues", "redlock_recover_stale"]
-    assert len(after) == len(before) + 2
+    assert sorted({*after} - {*before}) == [
+        "redlock_metrics_port",
+        "redlock_queues",
+        "redlock_recover_stale",
+    ]
+    assert len(after) == len(before) + 3
     before, after = changes["control commands"]
     assert sorted({*after} - {*before}) == ["redlock_stats"]
     before, after = changes["signal receivers"]

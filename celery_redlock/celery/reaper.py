@@ -1,0 +1,338 @@
+"""The continuous reaper: a running worker frees the locks whose holder is provably dead.
+
+Stale-lock recovery (:mod:`celery_redlock.core.recovery`) runs once, when a worker
+starts again under the same node name. The reaper runs in every worker's
+main process, every ``redlock_reaper_interval`` seconds, and releases a task
+lock only on one of two kinds of proof:
+
+* **pid gone**: the value names this very worker (node name *and* host) and a
+  process that no longer exists here. That is a pool process killed while it
+  held the lock (``SIGKILL``, the OOM killer); the worker goes on running and
+  would otherwise leave the lock to its TTL. Only this worker's own holders
+  are judged by pid: a worker of another node on the same host name may run
+  in another pid namespace (a container sharing the host's network and name),
+  where a pid missing here proves nothing. That worker's own reaper judges it.
+* **worker silent**: the holder's worker has not answered a ping for
+  ``redlock_reaper_unresponsive_after`` seconds *and* the lock's TTL shows
+  that its renewals stopped: more than half of it is gone since the last
+  renewal, while the watchdog renews every third. A worker that is merely busy
+  (a solo pool running a long task cannot answer a ping) still renews, so its
+  locks never meet the second condition.
+
+Anything else is left to its TTL: a holder on another host that answers, or
+whose renewals go on; a value without the holder's host, pid or TTL (format
+``v1``, enqueue reservations, locks taken outside a worker). Each release is
+a compare-and-delete of the exact value read, which for the second kind also
+checks again that the TTL is still past the renewal deadline, so a holder
+that renewed meanwhile keeps its lock. Every release is logged at WARNING
+with its evidence and counted (``celery_redlock_reaped_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery_redlock.core.inventory import LockInfo, clients_of, find_locks
+from celery_redlock.core.recovery import lock_prefixes, pid_alive
+from celery_redlock.core.scripts import Arg, Script
+from celery_redlock.core.store import LockStore
+
+__all__ = [
+    "OVERDUE_SHARE",
+    "REASONS",
+    "Reaper",
+    "SilenceTracker",
+    "Verdict",
+    "judge",
+    "renewal_overdue",
+]
+
+logger = logging.getLogger(__name__)
+
+#: A lock was reaped because its holder, a process of this worker, is gone.
+PID_GONE = "pid_gone"
+#: A lock was reaped because its holder's worker fell silent and stopped renewing it.
+WORKER_SILENT = "worker_silent"
+#: Why a lock can be reaped, as the metrics count it.
+REASONS = (PID_GONE, WORKER_SILENT)
+
+#: Share of the TTL that may be left at most for the renewals to count as stopped.
+#: The watchdog renews every third of the TTL (a little earlier when it batches),
+#: so a live holder's lock keeps at least two thirds; half leaves a sixth of slack.
+OVERDUE_SHARE = 0.5
+#: Seconds a ping waits for the holders' workers to answer.
+PING_TIMEOUT = 1.0
+
+
+def _never_resend(args: Sequence[Arg]) -> None:
+    # A second run after a lost reply finds the key gone and answers 0: the
+    # pass would report a reaped lock as kept. The next pass reads again.
+    return None
+
+
+# Delete a lock held by a dead holder: only the value read, and only while its
+# TTL is still past the renewal deadline, so a holder that renewed meanwhile
+# (it was alive after all) keeps its lock.
+#
+# KEYS[1]  lock key
+# ARGV[1]  the value read
+# ARGV[2]  the most PTTL (ms) the lock may have left to be deleted; "-1": any
+# Returns  1 when the lock was deleted, 0 otherwise. Not resent after a lost reply.
+REAP = Script(
+    "reap",
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local limit = tonumber(ARGV[2])
+if limit >= 0 and redis.call('PTTL', KEYS[1]) > limit then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
+""",
+    resend=_never_resend,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a lock may be released.
+
+    Attributes:
+        reason: One of :data:`REASONS`.
+        evidence: One sentence naming what was checked.
+        max_pttl_ms: The most PTTL the lock may have left when deleted (-1: any).
+    """
+
+    reason: str
+    evidence: str
+    max_pttl_ms: int = -1
+
+
+def renewal_overdue(info: LockInfo) -> bool:
+    """``True`` if ``info``'s TTL shows its renewals stopped (see :data:`OVERDUE_SHARE`)."""
+    holder = info.holder
+    if holder is None or not holder.ttl_ms or info.ttl is None:
+        return False
+    return info.ttl * 1000 < holder.ttl_ms * OVERDUE_SHARE
+
+
+def judge(
+    info: LockInfo,
+    *,
+    node: str,
+    host: str,
+    silent_for: Callable[[str], float | None],
+    unresponsive_after: float,
+    alive: Callable[[int], bool] = pid_alive,
+) -> Verdict | None:
+    """Decide whether ``info``'s holder is provably dead; ``None`` keeps the lock.
+
+    Args:
+        info: The lock as read.
+        node: The judging worker's node name.
+        host: The judging worker's host name.
+        silent_for: Seconds a worker node has failed to answer pings (``None``:
+            it answered the latest one, or was never asked).
+        unresponsive_after: Seconds of silence that count as dead.
+        alive: Tells whether a pid on this host is alive.
+    """
+    holder = info.holder
+    if info.kind != "lock" or holder is None or holder.host is None or not holder.ttl_ms:
+        return None
+    if holder.hostname == node:
+        if holder.host == host and not alive(holder.pid):
+            return Verdict(
+                PID_GONE,
+                f"holder pid {holder.pid} of this worker ({node}) on host {host} is gone",
+            )
+        return None
+    if not renewal_overdue(info):
+        return None
+    silence = silent_for(holder.hostname)
+    if silence is None or silence < unresponsive_after:
+        return None
+    assert info.ttl is not None  # renewal_overdue() needs it
+    ttl = holder.ttl_ms / 1000
+    return Verdict(
+        WORKER_SILENT,
+        f"worker {holder.hostname} (host {holder.host}) has not answered a ping for "
+        f"{silence:.1f}s (limit {unresponsive_after:g}s) and the lock was last renewed "
+        f"{ttl - info.ttl:.1f}s ago ({info.ttl:.1f}s of its {ttl:g}s TTL left; renewed "
+        f"every {ttl / 3:.1f}s while its holder runs)",
+        int(holder.ttl_ms * OVERDUE_SHARE),
+    )
+
+
+class SilenceTracker:
+    """Remembers since when each worker node has failed to answer pings.
+
+    Args:
+        clock: Monotonic clock in seconds.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since: dict[str, float] = {}
+
+    def heard(self, asked: Iterable[str], answered: Iterable[str]) -> None:
+        """Record a ping of ``asked`` nodes, of which ``answered`` replied."""
+        now = self._clock()
+        replied = set(answered)
+        for node in asked:
+            if node in replied:
+                self._since.pop(node, None)
+            else:
+                self._since.setdefault(node, now)
+        for node in replied:
+            self._since.pop(node, None)
+
+    def silent_for(self, node: str) -> float | None:
+        """Seconds since ``node`` first failed to answer, ``None`` if it did answer."""
+        since = self._since.get(node)
+        return None if since is None else self._clock() - since
+
+    def forget_except(self, nodes: Iterable[str]) -> None:
+        """Drop every node but ``nodes`` (those no lock names any more)."""
+        keep = set(nodes)
+        for node in list(self._since):
+            if node not in keep:
+                del self._since[node]
+
+
+def _ping(app: Any, nodes: Sequence[str], timeout: float) -> set[str]:
+    replies = app.control.ping(destination=list(nodes), timeout=timeout) or ()
+    return {node for reply in replies for node in reply}
+
+
+class Reaper:
+    """Scans the lock store from a daemon thread and releases the locks of dead holders.
+
+    Args:
+        app: The worker's app.
+        node: The worker's node name.
+        interval: Seconds between passes.
+        unresponsive_after: Seconds a worker must stay silent (see :func:`judge`).
+        store: The lock store to scan; the reaper's own client, not shared
+            with pool processes (a fork while it is in use must not hand them
+            a pool in mid-operation).
+        on_reaped: Called with the reason of each lock released.
+        on_pass: Called after each pass that read the store.
+        ping: ``(app, nodes, timeout) -> nodes that answered``.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        node: str,
+        *,
+        interval: float,
+        unresponsive_after: float,
+        store: LockStore,
+        on_reaped: Callable[[str], None] = lambda reason: None,
+        on_pass: Callable[[], None] = lambda: None,
+        ping: Callable[[Any, Sequence[str], float], set[str]] = _ping,
+    ) -> None:
+        self.app = app
+        self.node = node
+        self.host = socket.gethostname()
+        self.interval = interval
+        self.unresponsive_after = unresponsive_after
+        self.store = store
+        self.silence = SilenceTracker()
+        self._on_reaped = on_reaped
+        self._on_pass = on_pass
+        self._ping = ping
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        #: Monotonic time of the latest finished pass, ``None`` before the first.
+        self.last_pass: float | None = None
+
+    def start(self) -> None:
+        """Start the thread; the first pass runs one interval from now."""
+        self._thread = threading.Thread(target=self._loop, name="celery-redlock-reaper")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread, waiting up to ``timeout`` seconds for a pass to end."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.store.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.run_once()
+            except Exception as exc:  # the thread must outlive a bad pass
+                logger.warning("celery-redlock: reaper pass failed: %r", exc)
+
+    def run_once(self) -> list[tuple[LockInfo, Verdict]]:
+        """Make one pass; return the locks released with their verdicts.
+
+        Raises:
+            redis.exceptions.RedisError: When the lock store fails.
+        """
+        clients = clients_of(self.store)
+        locks: dict[str, LockInfo] = {}
+        for client in clients:
+            for info in find_locks(client, lock_prefixes(self.app)):
+                locks.setdefault(info.key, info)
+        self._ask_silent(locks.values())
+        released = []
+        for info in locks.values():
+            verdict = judge(
+                info,
+                node=self.node,
+                host=self.host,
+                silent_for=self.silence.silent_for,
+                unresponsive_after=self.unresponsive_after,
+            )
+            if verdict is not None and self._release(clients, info, verdict):
+                released.append((info, verdict))
+        self.last_pass = time.monotonic()
+        self._on_pass()
+        return released
+
+    def _ask_silent(self, locks: Iterable[LockInfo]) -> None:
+        # Only the workers of locks whose renewals stopped are pinged: a
+        # healthy store costs no ping at all.
+        nodes = sorted(
+            {
+                info.holder.hostname
+                for info in locks
+                if info.holder is not None
+                and info.holder.hostname != self.node
+                and renewal_overdue(info)
+            }
+        )
+        self.silence.forget_except(nodes)
+        if nodes:
+            self.silence.heard(nodes, self._ping(self.app, nodes, PING_TIMEOUT))
+
+    def _release(self, clients: Sequence[Any], info: LockInfo, verdict: Verdict) -> bool:
+        deleted = sum(
+            int(REAP(client, (info.key,), (info.value, str(verdict.max_pttl_ms))))
+            for client in clients
+        )
+        if not deleted:
+            return False
+        holder = info.holder
+        assert holder is not None
+        logger.warning(
+            "celery-redlock: reaper released lock %s of task %s[%s] (fence %s): %s",
+            info.key,
+            info.task,
+            holder.task_id,
+            info.fence,
+            verdict.evidence,
+        )
+        self._on_reaped(verdict.reason)
+        return True

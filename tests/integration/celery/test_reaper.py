@@ -1,0 +1,171 @@
+"""The continuous reaper in real workers: only provably dead holders lose their locks.
+
+The workers run the reaper every 0.5 s and count a worker silent after 1 s.
+Each test waits for a number of *passes* (counted by the worker and read by
+remote control), never for a length of time, before it checks that a lock
+was left alone. The locks live 60 s, so their own expiry never explains a
+release the tests wait for (20 s at most).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_redlock.core.holder import Holder
+from tests.celery_harness import CeleryWorker, wait_until
+from tests.integration.celery.conftest import WorkerFactory
+
+LONG_TTL = 60.0
+
+
+@pytest.fixture
+def storm_env(storm_env: dict[str, str]) -> dict[str, str]:
+    settings = {"redlock_reaper_interval": 0.5, "redlock_reaper_unresponsive_after": 1.0}
+    return {
+        **storm_env,
+        "REDLOCK_TEST_INSTALL": "1",
+        "REDLOCK_TEST_TTL": str(LONG_TTL),
+        "REDLOCK_TEST_SETTINGS": json.dumps(settings),
+    }
+
+
+@pytest.fixture
+def gates(db9: redis.Redis, worker_factory: WorkerFactory) -> Iterator[list[str]]:
+    opened: list[str] = []
+    yield opened
+    for gate in opened:
+        db9.set(gate, 1)
+
+
+def hold(app: Celery, db9: redis.Redis, prefix: str, gates: list[str], x: Any) -> str:
+    """Start ``storm.hold(x)`` behind a gate; return its lock key once taken."""
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    gates.append(gate)
+    task = app.tasks["storm.hold"]
+    key = task.lock_key_for(x, 0, gate)
+    task.apply_async((x, 0, gate))
+    wait_until(lambda: db9.exists(key), timeout=20, message=f"lock {key} taken")
+    return key
+
+
+def report(app: Celery, worker: CeleryWorker) -> dict[str, Any]:
+    replies = app.control.broadcast(
+        "redlock_stats", reply=True, timeout=3, destination=[worker.nodename]
+    )
+    merged: dict[str, Any] = {}
+    for reply in replies:
+        merged.update(reply)
+    return merged[worker.nodename]
+
+
+def passes(app: Celery, worker: CeleryWorker) -> int:
+    return int(report(app, worker)["reaper_passes"])
+
+
+def wait_for_passes(app: Celery, worker: CeleryWorker, more: int) -> None:
+    """Wait until the worker's reaper has made ``more`` further passes."""
+    target = passes(app, worker) + more
+    wait_until(lambda: passes(app, worker) >= target, timeout=30, message=f"{more} passes")
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def plant(db9: redis.Redis, key: str, holder: Holder, left_ms: int) -> bytes:
+    value = holder.encode().encode()
+    db9.set(key, value, px=left_ms)
+    return value
+
+
+def foreign(node: str, host: str, pid: int) -> Holder:
+    """A holder of a 60 s lock on ``node`` at ``host``, acquired now."""
+    return Holder(
+        task_id=f"foreign-{uuid.uuid4().hex[:8]}",
+        hostname=node,
+        pid=pid,
+        token=uuid.uuid4().hex,
+        acquired_ms=int(time.time() * 1000),
+        ttl_ms=int(LONG_TTL * 1000),
+        host=host,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_pool_process_lock_goes_and_live_or_remote_holders_stay(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+    gates: list[str],
+) -> None:
+    """SIGKILL of the pool process holding a 60 s lock: the running worker's reaper frees it;
+    the lock of a live task on the same host, and one of "another host", are never touched."""
+    worker = worker_factory("prefork", 2)
+    live_key = hold(storm_app, db9, prefix, gates, "live")
+    doomed_key = hold(storm_app, db9, prefix, gates, "doomed")
+    live_value = db9.get(live_key)
+    doomed = Holder.parse(db9.get(doomed_key))
+    assert doomed is not None and doomed.pid in worker.child_pids()
+    # Same node name, a pid that does not exist here, but another host: no proof.
+    remote_key = f"{prefix}:v1:{{storm.hold:{'cd' * 32}}}"
+    remote_value = plant(
+        db9, remote_key, foreign(worker.nodename, "another-host", dead_pid()), 60_000
+    )
+
+    wait_for_passes(storm_app, worker, 2)
+    assert db9.get(doomed_key) is not None  # nothing to reap while the holder runs
+    assert db9.pttl(doomed_key) > 40_000
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(
+        lambda: not db9.exists(doomed_key), timeout=20, message="the dead holder's lock freed"
+    )
+
+    assert worker.running
+    log = worker.log()
+    assert f"reaper released lock {doomed_key}" in log
+    assert f"holder pid {doomed.pid} of this worker ({worker.nodename})" in log
+    wait_for_passes(storm_app, worker, 4)
+    assert db9.get(live_key) == live_value
+    assert db9.get(remote_key) == remote_value
+    counts = report(storm_app, worker)["reaped"]
+    assert counts == {"pid_gone": 1, "worker_silent": 0}
+
+
+@pytest.mark.timeout(90)
+def test_a_silent_workers_lock_goes_only_once_its_renewals_stopped(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+) -> None:
+    """A node that never answers loses a lock past its renewal deadline (half its TTL gone),
+    not one renewed recently; the release names both pieces of evidence."""
+    worker = worker_factory("solo")
+    ghost = f"ghost-{prefix}@far-away"
+    overdue_key = f"{prefix}:v1:{{storm.hold:{'01' * 32}}}"
+    fresh_key = f"{prefix}:v1:{{storm.hold:{'02' * 32}}}"
+    plant(db9, overdue_key, foreign(ghost, "far-away", 4242), 25_000)  # 35 s since renewal
+    fresh_value = plant(db9, fresh_key, foreign(ghost, "far-away", 4243), 59_000)
+
+    wait_until(lambda: not db9.exists(overdue_key), timeout=20, message="overdue lock freed")
+    log = worker.log()
+    assert f"reaper released lock {overdue_key}" in log
+    assert f"worker {ghost} (host far-away) has not answered a ping" in log
+    wait_for_passes(storm_app, worker, 4)
+    assert db9.get(fresh_key) == fresh_value
+    assert report(storm_app, worker)["reaped"] == {"pid_gone": 0, "worker_silent": 1}

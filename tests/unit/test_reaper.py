@@ -1,0 +1,102 @@
+"""The reaper's verdicts: which holders count as provably dead, with a fake clock and fake pids."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_redlock.celery.reaper import (
+    PID_GONE,
+    WORKER_SILENT,
+    SilenceTracker,
+    judge,
+    renewal_overdue,
+)
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.inventory import LockInfo
+
+NODE, HOST = "w1@box", "box"
+KEY = "redlock:v1:{app.t:" + "0" * 64 + "}"
+
+
+def lock(*, node=NODE, host=HOST, pid=4242, ttl_ms=60_000, left=59.0, key=KEY) -> LockInfo:
+    holder = Holder(
+        task_id="t-1", hostname=node, pid=pid, token="x", acquired_ms=1, ttl_ms=ttl_ms, host=host
+    )
+    return LockInfo(key, "app.t", holder.encode(), holder, left, 7, 1000.0)
+
+
+def verdict(info, *, alive=(), silent=None, after=60.0):
+    return judge(
+        info,
+        node=NODE,
+        host=HOST,
+        silent_for=lambda node: silent,
+        unresponsive_after=after,
+        alive=lambda pid: pid in alive,
+    )
+
+
+def test_own_pool_process_gone_is_reaped_with_its_pid_in_the_evidence():
+    """A lock of this worker, on this host, whose pid is gone: released, saying which pid."""
+    found = verdict(lock())
+    assert found is not None and found.reason == PID_GONE
+    assert "4242" in found.evidence and NODE in found.evidence
+    assert found.max_pttl_ms == -1
+
+
+def test_own_live_process_keeps_its_lock():
+    """A lock of this worker whose pid runs is never released, however old its TTL."""
+    assert verdict(lock(left=1.0), alive={4242}, silent=1e9, after=0.001) is None
+
+
+def test_pid_is_only_evidence_for_this_worker_on_this_host():
+    """Same node name on another host, or another node on this host: the pid proves nothing."""
+    assert verdict(lock(host="elsewhere")) is None
+    assert verdict(lock(node="w2@box")) is None
+
+
+def test_silent_worker_needs_both_silence_and_stopped_renewals():
+    """Another worker's lock goes only when it was silent long enough AND renewals stopped."""
+    other = {"node": "w2@far", "host": "far"}
+    fresh = lock(**other, left=50.0)  # renewed 10 s ago: its holder renews
+    overdue = lock(**other, left=20.0)  # last renewed 40 s ago, due every 20 s
+    assert verdict(fresh, silent=1e9) is None
+    assert verdict(overdue, silent=None) is None  # answered the latest ping
+    assert verdict(overdue, silent=59.0) is None  # not silent long enough
+    found = verdict(overdue, silent=61.0)
+    assert found is not None and found.reason == WORKER_SILENT
+    assert found.max_pttl_ms == 30_000  # the script checks again: only while still overdue
+    assert "w2@far" in found.evidence and "61.0s" in found.evidence
+
+
+def test_values_without_host_ttl_or_holder_are_never_judged():
+    """v1 values, TTL-less values (reservations, plain locks) and reservations stay."""
+    v1 = Holder.parse("v1|tok|t-1|w1@box|4242")
+    assert v1 is not None
+    assert verdict(LockInfo(KEY, "app.t", "v1|tok|t-1|w1@box|4242", v1, 1.0, 1, 0.0)) is None
+    assert verdict(lock(ttl_ms=0)) is None
+    assert verdict(lock(key=KEY + ":queued")) is None
+    assert verdict(LockInfo(KEY, "app.t", "foreign", None, 1.0, 1, 0.0)) is None
+
+
+@pytest.mark.parametrize(
+    ("left", "overdue"), [(59.0, False), (40.0, False), (30.1, False), (29.9, True)]
+)
+def test_renewal_is_overdue_below_half_the_ttl(left, overdue):
+    """The watchdog renews every third of the TTL; half of it left means a renewal was missed."""
+    assert renewal_overdue(lock(left=left)) is overdue
+
+
+def test_silence_is_measured_from_the_first_unanswered_ping():
+    """Silence starts at the first missed ping, ends with an answer, is forgotten when unused."""
+    now = [100.0]
+    tracker = SilenceTracker(clock=lambda: now[0])
+    tracker.heard(["a", "b"], answered=["b"])
+    now[0] = 130.0
+    tracker.heard(["a", "b"], answered=[])
+    assert tracker.silent_for("a") == 30.0
+    assert tracker.silent_for("b") == 0.0
+    tracker.heard(["a"], answered=["a"])
+    assert tracker.silent_for("a") is None
+    tracker.forget_except(["a"])
+    assert tracker.silent_for("b") is None
