@@ -68,6 +68,7 @@ from celery_redlock.core.exceptions import (
 from celery_redlock.core.fanout import NOT_ASKED, PENDING
 from celery_redlock.core.lease import Lease
 from celery_redlock.core.lock_options import Number
+from celery_redlock.core.lua import Arg, Script
 from celery_redlock.core.nodes import node_address
 from celery_redlock.core.quorum import Votes, check_node_timeout, lost_vote
 from celery_redlock.core.redlock import ATTEMPT_SEPARATOR
@@ -78,7 +79,7 @@ from celery_redlock.core.replies import (
     most_common_holder,
     refusal_of_acquire,
 )
-from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
+from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
 from .lock import Lock, TaskState
 from .renewal import Renewer

@@ -25,7 +25,8 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from .forks import in_forked_children
-from .scripts import RELEASE, Arg, Script
+from .lua import Arg, Script
+from .scripts import RELEASE
 
 __all__ = ["Connected", "Master", "Node", "Request", "Template", "bounded_client", "node_for"]
 
@@ -255,7 +256,7 @@ class Request:
         """The request to send again after a connection error, or ``None`` if it must not be.
 
         The first send may have run and only its reply been lost, so a script
-        goes again as its ``resend`` says (see :class:`~celery_redlock.core.scripts.Script`);
+        goes again as its ``resend`` says (see :class:`~celery_redlock.core.lua.Script`);
         any other command goes again as it is.
         """
         script = self.script

@@ -17,7 +17,8 @@ from celery_redlock import ConfigurationError, DuplicateTask, SingletonTask, cur
 from celery_redlock.celery.enqueue import RESERVATION_HEADER, reservation_key
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import fence_key_for
-from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+from celery_redlock.core.scripts import RELEASE
+from celery_redlock.core.window_scripts import DEQUEUE, HANDOVER, RESERVE
 
 MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
 

@@ -27,7 +27,7 @@ from celery_redlock.celery import signals as redlock_signals
 from celery_redlock.celery.bootsteps import prepare_worker
 from celery_redlock.celery.enqueue import RESERVATION_HEADER, cancel_key, reservation_key
 from celery_redlock.celery.guard import REQUEUES_HEADER
-from celery_redlock.core.scripts import CANCEL_RESERVE, RESERVE
+from celery_redlock.core.window_scripts import CANCEL_RESERVE, RESERVE
 
 
 @pytest.fixture(autouse=True)
