@@ -16,7 +16,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round, Settle
-from .nodes import Node, Request
+from .nodes import Node
+from .wire import Request
 
 __all__ = [
     "NODE_TIMEOUT_MAX",

@@ -36,10 +36,11 @@ from .fanout import PENDING, Round
 from .lease import Lease
 from .lock import Lock
 from .lock_options import Number
-from .nodes import Master, Request, Template, bounded_client, node_for
+from .nodes import Master, bounded_client, node_for
 from .quorum import Masters, Votes, check_node_timeout
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
+from .wire import Request, Template
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
 
