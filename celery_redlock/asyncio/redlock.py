@@ -81,10 +81,11 @@ from celery_redlock.core.replies import (
 )
 from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
-from .lock import Lock, TaskState
+from .lock import Lock
 from .renewal import Renewer
 from .scripts import run_script
 from .shielding import detach
+from .task_state import TaskState
 
 __all__ = ["Redlock"]
 
