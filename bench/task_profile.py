@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from celery_redlock import SingletonTask
         from celery_redlock.celery.guards import guard_for
+        from celery_redlock.core.lua import Script
         from celery_redlock.core.renewal import Watchdog, default_watchdog
-        from celery_redlock.core.scripts import ACQUIRE, RELEASE, Script
+        from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
         @app.task(name="bench.profile.ignore")  # type: ignore[untyped-decorator]
         def raises_ignore() -> None:

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from .core.lease import Lease
     from .core.lock import Lock
     from .core.lock_options import fence_key_for
-    from .core.redlock import Redlock, RedlockLease
+    from .core.redlock import Redlock
+    from .core.redlock_lease import RedlockLease
     from .core.renewal import Watchdog, default_watchdog
     from .functions.decorator import singleton
 
@@ -79,7 +80,7 @@ _HOMES = {
     "Lock": "core.lock",
     "fence_key_for": "core.lock_options",
     "Redlock": "core.redlock",
-    "RedlockLease": "core.redlock",
+    "RedlockLease": "core.redlock_lease",
     "Watchdog": "core.renewal",
     "default_watchdog": "core.renewal",
     **dict.fromkeys(

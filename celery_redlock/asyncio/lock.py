@@ -8,13 +8,13 @@ with three differences that asyncio needs:
   Each method looks its task up when it is *called*, not when it is first
   awaited, so ``asyncio.wait_for(lock.acquire(), ...)`` (which runs the
   coroutine in a task of its own before Python 3.12) still records the hold for
-  the caller.
+  the caller (:mod:`.task_state`).
 * Renewal is an asyncio task per lease (:mod:`.renewal`), not the watchdog thread.
 * Cancellation never cuts a round trip in half. A cancelled ``acquire`` waits
   for its ``SET NX`` to answer and releases what it took before raising
   ``CancelledError``; a cancelled ``release`` finishes deleting the key first.
 
-Round trips: acquire 1, release 1, extend 1, reacquire 1.
+Round trips: acquire 1, release 1, extend 1, reacquire 1 (:mod:`.extension`).
 """
 
 from __future__ import annotations
@@ -23,27 +23,25 @@ import asyncio
 import logging
 import secrets
 import time
-import weakref
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
 from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
-from celery_redlock.core.holder import Refusal
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
 from celery_redlock.core.lock_options import (
     DEFAULT_FENCE_RETENTION,
-    LockSettings,
     Number,
-    positive_seconds,
 )
-from celery_redlock.core.scripts import ACQUIRE, RELEASE, RENEW
+from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
+from .extension import ExtendableLock
 from .renewal import Renewer, keep_alive, renew_on
 from .scripts import InFlight, run_script
-from .shielding import detach, settle
+from .shielding import cancel_requests, detach, settle
+from .task_state import TaskState
 
 __all__ = ["Lock"]
 
@@ -52,25 +50,7 @@ logger = logging.getLogger(__name__)
 _LockT = TypeVar("_LockT", bound="Lock")
 
 
-class TaskState:
-    """What one task knows about its hold of one lock."""
-
-    __slots__ = ("attempts", "failure", "holder", "lease", "renewal", "token", "tried")
-
-    def __init__(self) -> None:
-        self.token: bytes | None = None
-        self.lease: Lease | None = None
-        self.holder: tuple[str | None, float | None] | None = None
-        # Why the latest attempt failed, when a subclass knows more than the holder.
-        self.failure: LockError | None = None
-        self.renewal: asyncio.Task[None] | None = None
-        # The token of the latest attempt, and how many attempts were numbered
-        # (for a subclass whose attempts store values of their own).
-        self.tried: bytes | None = None
-        self.attempts = 1
-
-
-class Lock(LockSettings):
+class Lock(ExtendableLock):
     """A distributed lock on one Redis server for ``redis.asyncio`` clients.
 
     Compatible with ``redis.asyncio.lock.Lock`` (``client.lock(name,
@@ -140,49 +120,7 @@ class Lock(LockSettings):
             clock=clock,
             label=label,
         )
-        self._shared = None if self.thread_local else TaskState()
-        # Per-task states die with their tasks.
-        self._states: weakref.WeakKeyDictionary[asyncio.Task[Any], TaskState] = (
-            weakref.WeakKeyDictionary()
-        )
-        # Calls made outside any task (from a loop callback) share one state.
-        self._untasked = TaskState()
-
-    # -- per-task state ------------------------------------------------------------
-
-    def _state(self) -> TaskState:
-        """Return the state of the running task (the caller must be on a running loop)."""
-        if self._shared is not None:
-            return self._shared
-        task = asyncio.current_task()
-        if task is None:
-            return self._untasked
-        state = self._states.get(task)
-        if state is None:
-            state = self._states[task] = TaskState()
-        return state
-
-    def _bound(self) -> TaskState | None:
-        """The caller's state if a loop runs now; ``None`` defers the lookup to the first await."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return None
-        return self._state()
-
-    @property
-    def refusal(self) -> Refusal:
-        """Who held the key when this task's latest acquire was refused.
-
-        Read it after :meth:`acquire` returned ``False``; after a successful
-        acquire it says nothing (both fields ``None``).
-        """
-        return Refusal.of(self._state().holder)
-
-    @property
-    def local(self) -> TaskState:
-        """The calling task's state (``token``, ``lease``, ``holder``), as redis-py's ``local``."""
-        return self._state()
+        self._keep_state_per_task()
 
     # -- redis-py compatible API ----------------------------------------------------
 
@@ -294,14 +232,14 @@ class Lock(LockSettings):
         token = self._attempt_value(state, token, retry)
         sent_at = self._clock()
         if self._inline:
-            asked = _cancel_requests()
+            asked = cancel_requests()
             try:
                 acquired, reply = await self._send_acquire(token)
             except InFlight as flight:
                 # Cancelled with the acquire in flight: learn what it took, give it back.
                 await self._give_back(detach(flight.finish), token, _granted)
                 raise asyncio.CancelledError() from None
-            if _cancel_requests() > asked:
+            if cancel_requests() > asked:
                 # redis-py swallows a cancellation that comes while it connects,
                 # and goes on: the caller still asked to stop, so give back.
                 if acquired:
@@ -442,11 +380,11 @@ class Lock(LockSettings):
             state.renewal = None
         failure: BaseException | None = None
         if self._inline:
-            asked = _cancel_requests()
+            asked = cancel_requests()
             try:
                 owned = bool(await self._send_release(token))
                 # A cancellation redis-py swallowed while connecting still counts.
-                cancelled = _cancel_requests() > asked
+                cancelled = cancel_requests() > asked
             except (InFlight, asyncio.CancelledError) as stopped:
                 # Cancelled: the release finishes first, from where it was (in
                 # flight), or whole (not sent yet).
@@ -485,101 +423,6 @@ class Lock(LockSettings):
         )
         return bool(reply)
 
-    def extend(
-        self, additional_time: Number, replace_ttl: bool = False
-    ) -> Coroutine[Any, Any, Literal[True]]:
-        """Add ``additional_time`` seconds to the TTL left, or set the TTL to it.
-
-        Raises:
-            LockError: If this task does not hold the lock, or it has no timeout.
-            ConfigurationError: If ``additional_time`` is not positive.
-            LockNotOwned: If the lock was lost meanwhile.
-        """
-        return self._extend(self._bound(), additional_time, replace_ttl)
-
-    async def _extend(
-        self, state: TaskState | None, additional_time: Number, replace_ttl: bool
-    ) -> Literal[True]:
-        state = state or self._state()
-        if state.token is None:
-            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
-        positive_seconds("additional_time", additional_time, allow_none=False)
-        await self._renew(state, int(additional_time * 1000), replace_ttl, "extend")
-        return True
-
-    def reacquire(self) -> Coroutine[Any, Any, Literal[True]]:
-        """Reset the lock's TTL to ``timeout``.
-
-        Raises:
-            LockError: If this task does not hold the lock, or it has no timeout.
-            LockNotOwned: If the lock was lost meanwhile.
-        """
-        return self._reacquire(self._bound())
-
-    async def _reacquire(self, state: TaskState | None) -> Literal[True]:
-        state = state or self._state()
-        if state.token is None:
-            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
-        await self._renew(state, self._ttl_ms, True, "reacquire")
-        return True
-
-    async def _renew(self, state: TaskState, ms: int, replace: bool, operation: str) -> None:
-        lease, token = state.lease, state.token
-        assert lease is not None and token is not None
-        sent_at = self._clock()
-        pttl_ms = await self._send_renew(lease, ms, replace)
-        if not pttl_ms:
-            lease.mark_lost(f"not owned at {operation}")
-            raise LockNotOwned(
-                f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
-            )
-        lease.validate_until(sent_at, pttl_ms / 1000)
-
-    async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:
-        """One renew round trip: the new TTL in ms, or 0 if the lock is not ours."""
-        (pttl_ms,) = await run_script(
-            RENEW, self.redis, (self.name,), ("1" if replace else "0", lease.token, ms)
-        )
-        return int(pttl_ms)
-
-    # -- additions ------------------------------------------------------------------
-
-    @property
-    def lease(self) -> Lease | None:
-        """This task's latest lease: held, lost or released; ``None`` before any."""
-        return self._state().lease
-
-    @property
-    def token(self) -> bytes | None:
-        """This task's token (the value stored) while it holds the lock, else ``None``."""
-        return self._state().token
-
-    @property
-    def fence(self) -> int | None:
-        """The fencing token of this task's current hold, else ``None``."""
-        state = self._state()
-        lease = state.lease
-        return lease.fence if lease is not None and state.token is not None else None
-
-    @property
-    def lost(self) -> bool:
-        """``True`` if this task's hold is known lost or has outlived its validity."""
-        lease = self._state().lease
-        if lease is None or lease.released:
-            return lease is not None and lease.lost
-        return lease.lost or lease.remaining() <= 0.0
-
-    def remaining(self) -> float:
-        """Seconds of validity left to this task's hold (``inf`` without a timeout)."""
-        state = self._state()
-        if state.lease is None or state.token is None:
-            return 0.0
-        return state.lease.remaining()
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"
 
@@ -591,10 +434,3 @@ def _granted(reply: Any) -> bool:
     when it did not; RELEASE answers 1 when it deleted the key.
     """
     return isinstance(reply, int) and reply > 0
-
-
-def _cancel_requests() -> int:
-    """How many cancellations of the current task are pending (0 before Python 3.11)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if cancelling is not None else 0

@@ -68,8 +68,9 @@ from celery_redlock.core.exceptions import (
 from celery_redlock.core.fanout import NOT_ASKED, PENDING
 from celery_redlock.core.lease import Lease
 from celery_redlock.core.lock_options import Number
+from celery_redlock.core.lua import Arg, Script
 from celery_redlock.core.nodes import node_address
-from celery_redlock.core.quorum import Votes, check_node_timeout, lost_vote
+from celery_redlock.core.quorum import Votes, agreed_too_late, check_node_timeout, lost_vote
 from celery_redlock.core.redlock import ATTEMPT_SEPARATOR
 from celery_redlock.core.replies import (
     Holder,
@@ -78,12 +79,13 @@ from celery_redlock.core.replies import (
     most_common_holder,
     refusal_of_acquire,
 )
-from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW, Arg, Script
+from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
 
-from .lock import Lock, TaskState
+from .lock import Lock
 from .renewal import Renewer
 from .scripts import run_script
 from .shielding import detach
+from .task_state import TaskState
 
 __all__ = ["Redlock"]
 
@@ -497,14 +499,7 @@ class Redlock(Lock):
         if failure is None and self.timeout is not None:
             left = sent_at + self.timeout - (self.timeout * self.drift_factor + 0.002)
             if left <= self._clock():
-                failure = QuorumNotAchieved(
-                    f"Lock {self.name} not acquired: the majority agreed after "
-                    f"{(self._clock() - sent_at) * 1000:.1f} ms, leaving no validity "
-                    f"of the {self.timeout} s TTL",
-                    lock_name=self.name,
-                    granted=votes.granted,
-                    needed=votes.needed,
-                )
+                failure = agreed_too_late(self.name, self._clock() - sent_at, self.timeout, votes)
         if failure is not None:
             await self._undo_grants(grant, granted, token)
             failure.holder, failure.holder_ttl = (

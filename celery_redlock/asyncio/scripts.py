@@ -1,7 +1,8 @@
 """Running the lock's Lua scripts on a ``redis.asyncio`` client.
 
 The scripts themselves (and their KEYS/ARGV contracts) are the synchronous
-package's :mod:`celery_redlock.core.scripts`; only the transport differs. As there,
+package's :mod:`celery_redlock.core.scripts`, run there by
+:class:`~celery_redlock.core.lua.Script`; only the transport differs. As there,
 the fast path is a single ``EVALSHA`` on a pooled connection; a server that does
 not know the script (after ``SCRIPT FLUSH`` or a restart) gets it once with
 ``EVAL``, which runs and caches it.
@@ -17,7 +18,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
-from celery_redlock.core.scripts import Arg, Script
+from celery_redlock.core.lua import Arg, Script
 
 __all__ = ["InFlight", "run_script"]
 

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["detach", "drain", "settle"]
+__all__ = ["cancel_requests", "detach", "drain", "settle"]
 
 T = TypeVar("T")
 
@@ -75,3 +75,10 @@ async def drain(timeout: float | None = None) -> bool:
             return False
         # A finished request can start its follow-up: look again until none is left.
         await asyncio.wait(ours, timeout=left)
+
+
+def cancel_requests() -> int:
+    """How many cancellations of the current task are pending (0 before Python 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0

@@ -30,7 +30,8 @@ from celery_redlock.calls.context import current_lock
 from celery_redlock.core.exceptions import DuplicateTask, LockError
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import Lease
-from celery_redlock.core.scripts import CANCEL_RESERVE, RELEASE, RESERVE
+from celery_redlock.core.scripts import RELEASE
+from celery_redlock.core.window_scripts import CANCEL_RESERVE, RESERVE
 
 from .guard import TaskGuard, requeuing
 from .messages import CONTINUES_HEADER, RESERVATION_HEADER, header_of

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_redlock.core.inventory import LockInfo, clients_of, find_locks
+from celery_redlock.core.lua import Arg, Script
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
-from celery_redlock.core.scripts import Arg, Script
 from celery_redlock.core.store import LockStore
 
 __all__ = [

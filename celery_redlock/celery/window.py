@@ -23,7 +23,8 @@ from celery_redlock.calls.decisions import Decision
 from celery_redlock.calls.guarded import UNPROTECTED, Call, run_unprotected
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.lock import Lease, Lock
-from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+from celery_redlock.core.scripts import RELEASE
+from celery_redlock.core.window_scripts import DEQUEUE, HANDOVER, RESERVE
 
 from . import signals
 from .guard import TaskGuard

@@ -22,7 +22,8 @@ import redis
 from redis._parsers import hiredis as redis_hiredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from .nodes import Connected, Node, Request
+from .nodes import Connected, Node
+from .wire import Request
 
 __all__ = ["NOT_ASKED", "PENDING", "Round", "Settle"]
 

@@ -16,13 +16,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round, Settle
-from .nodes import Node, Request
+from .nodes import Node
+from .wire import Request
 
 __all__ = [
     "NODE_TIMEOUT_MAX",
     "NODE_TIMEOUT_MIN",
     "Masters",
     "Votes",
+    "agreed_too_late",
     "check_node_timeout",
     "default_node_timeout",
     "lost_vote",
@@ -220,6 +222,23 @@ def lost_vote(
         f"{votes.needed} needed" + (f" ({details})" if details else ""),
         lock_name=lock_name,
         errors=errors,
+        granted=votes.granted,
+        needed=votes.needed,
+    )
+
+
+def agreed_too_late(
+    lock_name: str, elapsed: float, ttl: float | None, votes: Votes
+) -> QuorumNotAchieved:
+    """The error of an acquire whose majority agreed after ``elapsed`` seconds, too late.
+
+    A majority said yes, but so late that no validity of the ``ttl`` is left
+    once the drift allowance is taken off.
+    """
+    return QuorumNotAchieved(
+        f"Lock {lock_name} not acquired: the majority agreed after "
+        f"{elapsed * 1000:.1f} ms, leaving no validity of the {ttl} s TTL",
+        lock_name=lock_name,
         granted=votes.granted,
         needed=votes.needed,
     )

@@ -49,7 +49,7 @@ from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 from celery_redlock.core.lock import Lock
-from celery_redlock.core.scripts import Script
+from celery_redlock.core.lua import Script
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
 

@@ -18,7 +18,8 @@ from celery_redlock.celery.messages import RESERVATION_HEADER
 from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import fence_key_for
-from celery_redlock.core.scripts import DEQUEUE, HANDOVER, RELEASE, RESERVE
+from celery_redlock.core.scripts import RELEASE
+from celery_redlock.core.window_scripts import DEQUEUE, HANDOVER, RESERVE
 
 MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
 

@@ -35,7 +35,7 @@ from celery_redlock.celery.bootsteps import prepare_worker
 from celery_redlock.celery.messages import REQUEUES_HEADER, RESERVATION_HEADER
 from celery_redlock.celery.publish import cancel_key
 from celery_redlock.celery.window import reservation_key
-from celery_redlock.core.scripts import CANCEL_RESERVE, RESERVE
+from celery_redlock.core.window_scripts import CANCEL_RESERVE, RESERVE
 from tests.fault_proxy import DelayProxy
 
 

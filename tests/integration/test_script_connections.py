@@ -13,7 +13,7 @@ import threading
 
 import redis
 
-from celery_redlock.core.scripts import Script
+from celery_redlock.core.lua import Script
 from tests.redis_servers import RedisServer
 
 # Returns its argument after a server-side busy loop long enough that two

@@ -237,8 +237,9 @@ def test_watchdog_drops_a_spanning_lease_found_not_owned(watchdog_and_clock):
 def test_a_template_packs_exactly_what_redis_py_packs(command, slot, script, token):
     """Pre-packed acquire/release bytes equal redis-py's packing of the same command,
     by SHA and with the script's source alike."""
-    from celery_redlock.core.nodes import Node, Template
+    from celery_redlock.core.nodes import Node
     from celery_redlock.core.scripts import ACQUIRE
+    from celery_redlock.core.wire import Template
 
     conn = redis.Connection()
     node = Node("n", 1.0, connection_class=redis.Connection, kwargs={})

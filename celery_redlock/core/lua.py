@@ -1,0 +1,175 @@
+"""A Lua script, and the one way every script of the lock is run.
+
+Scripts are sent with ``EVALSHA``; when the server does not know a script
+(after ``SCRIPT FLUSH`` or a restart) it is sent once with ``EVAL``, which
+both runs and caches it, so a flushed script costs one extra round trip, never
+a failed operation. After a connection error a script is sent once more in the
+way it declares safe in case the first send ran and only its reply was lost
+(see :class:`Script`). The scripts themselves are in
+:mod:`celery_redlock.core.scripts` and :mod:`celery_redlock.core.window_scripts`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from .reserved import checkout, reserved_for
+
+__all__ = ["Arg", "Resend", "Script"]
+
+#: One key or argument of a script, as redis-py sends it.
+Arg = Union[str, bytes, int, float]
+#: How a script is sent again after a connection error: given the ARGV of the
+#: first send, the ARGV of the resend, or ``None`` when it must not be resent.
+Resend = Callable[[Sequence[Arg]], Optional[Sequence[Arg]]]
+
+
+def _resend_as_is(args: Sequence[Arg]) -> Sequence[Arg]:
+    """The resend of a script that does the same whether it ran once or twice."""
+    return args
+
+
+def _reconnect_if_closed(connection: Any) -> None:
+    try:
+        # Readable before anything was sent: the server closed the connection
+        # (end of file), or it owes a reply nobody read. Either way, start afresh.
+        if connection.can_read():
+            raise RedisConnectionError("connection not ready")
+    except (RedisConnectionError, OSError):
+        connection.disconnect()
+        connection.connect()
+
+
+class Script:
+    """A Lua script identified by its SHA1, run with EVALSHA and an EVAL fallback.
+
+    Unlike redis-py's ``Script`` it is not bound to a client and never issues
+    ``SCRIPT EXISTS`` or ``SCRIPT LOAD``: the fast path is exactly one command.
+
+    A connection error is met in two ways that look alike: the server closed
+    an idle connection (the command never ran) or it ran the command and the
+    reply was lost. The first is common and calls for sending the command
+    again; the second makes a plain resend wrong for a script whose second run
+    answers differently (a release finds its key gone) or does more (a renewal
+    that adds time). So each script declares its ``resend``: given the ARGV of
+    the first send, the ARGV to send again with, correct whichever way the
+    first send went, or ``None`` when it must not be sent again (the
+    ``ConnectionError`` is then raised).
+    """
+
+    __slots__ = ("check_connection", "name", "resend", "sha", "source")
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        resend: Resend = _resend_as_is,
+        *,
+        check_connection: bool = False,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+        self.resend = resend
+        #: Check the connection before sending, and reconnect if the server
+        #: closed it (a restart): for a script whose resend, made although the
+        #: first send surely did not run, would answer wrongly (a release would
+        #: take a key lost with the dataset for one it deleted) or not be made
+        #: at all (a renewal adding time). It costs a system call per call, so
+        #: a script whose resend is right either way (an acquire) goes without.
+        #: redis-py's pool makes this check on check-out, but not on a reserved
+        #: connection, nor with maintenance notifications enabled (redis-py 8's
+        #: default).
+        self.check_connection = check_connection
+
+    def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run the script on ``client`` (a redis-py client) and return its reply.
+
+        Raises:
+            redis.exceptions.RedisError: Whatever the server or connection raises,
+                except ``NOSCRIPT``, which is handled here, and a connection
+                error that the script's ``resend`` recovers from.
+        """
+        pool = getattr(client, "connection_pool", None)
+        # A single-connection client owns its connection (client.connection);
+        # Cluster clients have no pool: both go through redis-py.
+        if pool is None or getattr(client, "connection", None) is not None:
+            try:
+                return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+        # The hot path of every task: talk to a pooled connection directly,
+        # without redis-py's per-command bookkeeping (about a third of the
+        # client's CPU per command).
+        reserved = reserved_for(pool)
+        if reserved is not None and reserved.busy.acquire(blocking=False):
+            try:
+                if reserved.connection is None:
+                    reserved.connection = checkout(pool)
+                return self._exchange(reserved.connection, keys, args)
+            finally:
+                reserved.busy.release()
+        connection = checkout(pool)
+        try:
+            return self._exchange(connection, keys, args)
+        finally:
+            pool.release(connection)
+
+    def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        try:
+            if self.check_connection:
+                _reconnect_if_closed(connection)
+            try:
+                return self._run(connection, keys, args)
+            except RedisConnectionError:
+                # A connection the server closed (a restart, an idle timeout)
+                # fails on first use, often only when the reply is read; like
+                # redis-py, try once more on a fresh one, in the way the script
+                # says is right if the first send did run. Timeouts are not
+                # retried: the server may be hung.
+                resent_args = self.resend(args)
+                if resent_args is None:
+                    raise
+                connection.disconnect()
+                # Explicitly: a Sentinel connection asks the Sentinels for the
+                # current master in connect() only; the lazy connect of the next
+                # send would return to the demoted one.
+                connection.connect()
+                return self._run(connection, keys, resent_args)
+        except ResponseError:
+            raise  # the server answered: the connection is in a clean state
+        except BaseException:
+            # Anything else may leave a reply unread on the socket: reconnect
+            # before the connection is used again.
+            connection.disconnect()
+            raise
+
+    def _run(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        try:
+            return connection.read_response()
+        except NoScriptError:
+            connection.send_command("EVAL", self.source, len(keys), *keys, *args)
+            return connection.read_response()
+
+    def send(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+        """Run the script with ``EVAL``, source included, and return its reply.
+
+        For a rare call that must take effect even if its reply is lost: an
+        ``EVALSHA`` of a script the server has not cached yet answers
+        ``NOSCRIPT`` and does nothing, and a caller that timed out never sends
+        the ``EVAL`` fallback.
+        """
+        return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
+
+    def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
+        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
+        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    def __repr__(self) -> str:
+        return f"<Script {self.name} {self.sha[:8]}>"
