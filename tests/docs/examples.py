@@ -84,6 +84,7 @@ PAGES = (
     "docs/celery.md",
     "docs/conflicts.md",
     "docs/configuration.md",
+    "docs/lock.md",
 )
 
 PYTHON = frozenset({"python", "py", "python3"})
