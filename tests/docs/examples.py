@@ -474,6 +474,7 @@ class Background:
         self.log_path = log_path
         self._proc: subprocess.Popen[bytes] | None = None
         self._known: dict[int, str] = {}
+        self._killed: dict[int, str] = {}
 
     @property
     def pid(self) -> int:
@@ -552,11 +553,27 @@ class Background:
             self._proc.wait()
         self._kill_known()
 
+    def wait_gone(self, timeout: float) -> None:
+        """Wait until the descendants :meth:`kill` or :meth:`stop` signalled no longer exist.
+
+        An orphan stays a zombie, still listed and still answering
+        ``kill(pid, 0)``, until the system's init reaps it.
+
+        Raises:
+            ExampleFailed: If one is still there after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while left := [pid for pid, started in self._killed.items() if _start_time(pid) == started]:
+            if time.monotonic() >= deadline:
+                raise ExampleFailed(f"processes {left} still exist {timeout:g}s after SIGKILL")
+            time.sleep(0.05)
+
     def _kill_known(self) -> None:
         for pid, started in self._known.items():
             if _start_time(pid) == started:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+                self._killed[pid] = started
         # Reap nothing else: the descendants are the main process's children, not ours.
         self._known.clear()
 
