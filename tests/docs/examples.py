@@ -16,7 +16,9 @@ follows:
   the reader saves: it is written to the page's working directory and
   imported, so that ``celery -A proj`` and later blocks find it. After each
   block, every Celery app in reach is finalized, which validates its tasks'
-  lock options as a worker start would. A ``text`` block right after a Python
+  lock options as a worker start would. A name that no earlier block of the
+  page defines, and that is not a builtin, is an error even in a function the
+  page never calls: the reader would meet it. A ``text`` block right after a Python
   block, marked ``<!-- test: output -->``, is what that block prints, checked
   as console output is.
 - **Console.** ``$ `` starts a command (a trailing ``\\`` continues it); the
@@ -39,6 +41,7 @@ follows:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import json
@@ -48,6 +51,7 @@ import re
 import shlex
 import signal
 import subprocess
+import symtable
 import sys
 import threading
 import time
@@ -73,6 +77,7 @@ __all__ = [
     "output_matches",
     "parse_page",
     "run_page",
+    "undefined_names",
     "visible_text",
 ]
 
@@ -379,6 +384,31 @@ def console_commands(block: Block) -> list[Command]:
     if not commands:
         raise DocsError(f"line {block.line}: a console block without a `$ ` command")
     return commands
+
+
+def _module_names(table: symtable.SymbolTable) -> set[str]:
+    return {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+
+
+def undefined_names(code: str, known: set[str], filename: str = "<example>") -> list[str]:
+    """The global names ``code`` uses, at any depth, that neither it, ``known`` nor builtins define.
+
+    Raises:
+        SyntaxError: If ``code`` is not Python.
+    """
+    module = symtable.symtable(code, filename, "exec")
+    defined = known | _module_names(module) | set(dir(builtins)) | {"__file__", "__name__"}
+    used: set[str] = set()
+    tables = [module]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for symbol in table.get_symbols():
+            if not symbol.is_referenced():
+                continue
+            if table is module or symbol.is_global():
+                used.add(symbol.get_name())
+    return sorted(used - defined)
 
 
 def output_matches(expected: Sequence[str], actual: str) -> bool:
@@ -814,9 +844,19 @@ def run_page(page: str, session: PageSession, text: str | None = None) -> Iterat
         ExampleFailed: At the first example that does not run as shown.
     """
     blocks = parse_page(page, text)
+    known: set[str] = set()  # what the page's session defines so far
     for index, block in enumerate(blocks):
         if not block.kind or block.skipped:
             continue
+        if block.kind == "python":
+            in_reach = set() if block.filename else known
+            missing = undefined_names(block.code, in_reach, block.page)
+            if missing:
+                raise ExampleFailed(
+                    f"{block.location} uses {', '.join(missing)}, which the page never defines"
+                )
+            if not block.filename:
+                known |= _module_names(symtable.symtable(block.code, block.page, "exec"))
         printed = session.run(block)
         following = blocks[index + 1] if index + 1 < len(blocks) else None
         if following is not None and following.shows_output:

@@ -20,6 +20,7 @@ from tests.docs.examples import (
     output_matches,
     parse_page,
     run_page,
+    undefined_names,
 )
 
 FENCE = "```"
@@ -229,3 +230,26 @@ def test_the_address_points_only_the_local_redis_elsewhere():
     assert address.restore("lock store redis://localhost:7001/0") == (
         "lock store redis://localhost:6379/0"
     )
+
+
+def test_undefined_names_are_found_at_any_depth():
+    """A name used only in a function body, a class or a comprehension still counts."""
+    code = (
+        "import os\n"
+        "def task(account):\n"
+        "    ledger.write(account, os.sep, [gateway(x) for x in range(3)])\n"
+        "class Shop:\n"
+        "    price = PRICE\n"
+        "total = len(known_before)\n"
+    )
+    assert undefined_names(code, {"known_before"}) == ["PRICE", "gateway", "ledger"]
+
+
+def test_an_example_using_a_name_the_page_never_defines_fails(session):
+    """A placeholder such as ``ledger`` fails the page, even in a function it never calls."""
+    text = page(
+        python("PRICE = 3"),
+        python("def book(amount):\n    ledger.write(amount * PRICE)"),
+    )
+    with pytest.raises(ExampleFailed, match=r"t\.md:5 uses ledger, which the page never defines"):
+        list(run_page("t.md", session, text))
