@@ -33,10 +33,12 @@ DEFAULT_PREFIX = "redlock"
 
 
 def pid_alive(pid: int) -> bool:
-    """Return ``True`` if a process ``pid`` exists on this machine.
+    """Return ``True`` if a process ``pid`` exists on this machine and has not exited.
 
     A process of another user counts as alive. So does a pid reused by an
     unrelated process, which errs on the safe side: the lock is left to expire.
+    A zombie (exited, not yet reaped by its parent: a killed pool process whose
+    worker died with it) is dead: it runs no code and holds nothing.
     """
     if pid <= 0:
         return False
@@ -46,7 +48,17 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (Linux ``/proc``; ``False`` elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # "pid (comm) state ...": comm may hold spaces and parentheses.
+            return stat.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def lock_prefixes(app: Any) -> list[str]:
