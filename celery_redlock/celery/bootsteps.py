@@ -21,6 +21,7 @@ from celery import bootsteps
 from redis.exceptions import RedisError
 
 from celery_redlock.celery.settings import check_settings, flag, parse_queues
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.inventory import clients_of
 from celery_redlock.core.recovery import lock_prefixes, recover_stale
@@ -109,8 +110,10 @@ def check_lock_store(app: Any) -> str:
     try:
         masters = store.masters()
     except RedisError as exc:
-        logger.error("celery-redlock: lock store %s is unreachable: %r", address, exc)
-        return f"lock store {address} is unreachable: {exc!r}"
+        logger.error(
+            "celery-redlock: lock store %s is unreachable: %s", address, describe_error(exc)
+        )
+        return f"lock store {address} is unreachable: {describe_error(exc)}"
     versions, problems = [], []
     for client in masters:
         name = _name(client)
@@ -118,8 +121,12 @@ def check_lock_store(app: Any) -> str:
             client.ping()
             versions.append(client.info("server").get("redis_version", "?"))
         except RedisError as exc:
-            logger.error("celery-redlock: lock store master %s is unreachable: %r", name, exc)
-            problems.append(f"{name} is unreachable: {exc!r}")
+            logger.error(
+                "celery-redlock: lock store master %s is unreachable: %s",
+                name,
+                describe_error(exc),
+            )
+            problems.append(f"{name} is unreachable: {describe_error(exc)}")
             continue
         policy = _eviction_policy(client)
         if policy is not None:
@@ -174,7 +181,7 @@ def recover_at_start(app: Any, node: str) -> int:
             for info in recover_stale(client, lock_prefixes(app), node)
         ]
     except Exception as exc:  # RedisError, or a Cluster that cannot be discovered
-        logger.warning("celery-redlock: stale-lock recovery skipped: %r", exc)
+        logger.warning("celery-redlock: stale-lock recovery skipped: %s", describe_error(exc))
         return 0
     logger.info(
         "celery-redlock: stale-lock recovery for %s released %d lock(s)", node, len(released)

@@ -21,6 +21,7 @@ from celery.bin.base import CeleryCommand
 
 from celery_redlock.celery.control import STATS_COMMAND
 from celery_redlock.celery.stats import COUNTERS
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.inventory import LockInfo, clients_of, find_locks, read_locks
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
@@ -223,7 +224,7 @@ def holder_liveness(app: Any, holder: Holder | None, timeout: float) -> Liveness
     try:
         replies = app.control.ping(destination=[node], timeout=timeout)
     except Exception as exc:
-        return Liveness(None, f"could not ping worker {node}: {exc!r}")
+        return Liveness(None, f"could not ping worker {node}: {describe_error(exc)}")
     if any(node in reply for reply in replies or ()):
         return Liveness(True, f"worker {node} answers ping")
     silent = f"worker {node} did not answer a ping within {timeout:g}s"
