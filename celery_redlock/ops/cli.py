@@ -21,15 +21,17 @@ from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
 from celery_redlock.celery import control
-from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.celery.install import (
     RECOVER_OPTION_NAME,
     WORKER_OPTION_NAME,
     install,
     worker_options,
 )
-from celery_redlock.celery.settings import check_settings, flag, lock_url
+from celery_redlock.celery.settings import check_settings, flag
 from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.health import check_store
+from celery_redlock.core.recovery import lock_prefixes
+from celery_redlock.core.store import store_for
 
 from .commands import COMMANDS
 
@@ -40,19 +42,28 @@ __all__ = ["plug_in"]
 @click.command(cls=CeleryCommand)
 @click.pass_context
 def check(ctx: click.Context, /, **kwargs: Any) -> None:
-    """Validate the redlock settings and ping the lock store; exit 1 on a bad setting."""
+    """Validate the redlock settings and run the lock scripts on every lock store master.
+
+    Exit status 0 with a short summary when every setting is valid and
+    acquire, renew and release ran under each key prefix on every master;
+    otherwise 1, with one line on stderr saying why (with the store error's
+    cause). Fit for a readiness probe.
+    """
     app = ctx.obj.app
     try:
         queues = check_settings(app.conf)
         flag(app.conf, "redlock_recover_stale", True)
         flag(app.conf, "redlock_stats", True)
         app.finalize()  # binds SingletonTasks, which validates their options
+        result = check_store(store_for(app), lock_prefixes(app))
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"lock store: {lock_url(app.conf)}")
+    if not result.ok:
+        click.echo(f"celery-redlock: {result.failure()}", err=True)
+        sys.exit(1)
+    click.echo(result.summary())
     click.echo(f"locked queues: {', '.join(sorted(queues)) or '(none)'}")
-    click.echo(check_lock_store(app))
 
 
 _group = click.Group(
