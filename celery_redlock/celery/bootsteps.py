@@ -153,9 +153,11 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
 
     Receives the ``--redlock-queues`` worker option as ``redlock_queues`` and
     ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover_stale``
-    (which wins over the setting of that name). A configuration error
-    stops a command-line worker with one line naming the setting and value; a
-    programmatic worker gets the ``ConfigurationError``.
+    (which wins over the setting of that name).
+
+    Raises:
+        ConfigurationError: Naming the bad setting, option or queue. ``celery
+            worker`` reports it in one line (see :mod:`celery_redlock.ops.cli`).
     """
 
     name = "celery-redlock"
@@ -169,23 +171,16 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
     ) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
-        try:
-            consumed = dict(app.amqp.queues.consume_from)
-            self.locks = prepare_worker(app, redlock_queues, consumed)
-            recover = flag(app.conf, "redlock_recover_stale", True)
-            if redlock_recover_stale is not None:
-                if not isinstance(redlock_recover_stale, bool):
-                    raise ConfigurationError(
-                        "--redlock-recover", redlock_recover_stale, "must be True or False"
-                    )
-                recover = redlock_recover_stale
-            counting = flag(app.conf, "redlock_stats", True)
-        except ConfigurationError as exc:
-            from celery.apps.worker import Worker as CommandLineWorker
-
-            if isinstance(worker, CommandLineWorker):
-                raise SystemExit(f"celery-redlock: configuration error: {exc}") from None
-            raise
+        consumed = dict(app.amqp.queues.consume_from)
+        self.locks = prepare_worker(app, redlock_queues, consumed)
+        recover = flag(app.conf, "redlock_recover_stale", True)
+        if redlock_recover_stale is not None:
+            if not isinstance(redlock_recover_stale, bool):
+                raise ConfigurationError(
+                    "--redlock-recover", redlock_recover_stale, "must be True or False"
+                )
+            recover = redlock_recover_stale
+        counting = flag(app.conf, "redlock_stats", True)
         check_lock_store(app)
         spawning = spawned.spawns_pool_processes(worker)
         if spawning and self.locks.locked:

@@ -12,6 +12,8 @@ celery-redlock in any worker started with one of the options or with
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from typing import Any
 
@@ -83,6 +85,32 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
         install(app)
 
 
+def _reports_configuration_errors(command: click.Command) -> None:
+    """Make ``command`` end on a :class:`ConfigurationError` with one line and exit status 1.
+
+    The error names the setting and its value, which is all an operator
+    needs; Celery would print some sixty lines of traceback through its app
+    loading. ``-l DEBUG`` (``--loglevel``) keeps the traceback.
+    """
+    callback = command.callback
+    if callback is None or getattr(callback, "_redlock_reports", False):
+        return
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except ConfigurationError as exc:
+            level = kwargs.get("loglevel")
+            if isinstance(level, int) and level <= logging.DEBUG:
+                raise
+            click.echo(f"celery-redlock: configuration error: {exc}", err=True)
+            sys.exit(1)
+
+    run._redlock_reports = True  # type: ignore[attr-defined]
+    command.callback = run
+
+
 def plug_in() -> click.Group:
     """Plug celery-redlock into the ``celery`` program; return the ``celery redlock`` group.
 
@@ -90,9 +118,12 @@ def plug_in() -> click.Group:
     to ``celery worker``, registers the ``redlock_stats`` inspect command and
     connects the ``worker_init`` handler that installs celery-redlock in a
     worker started with either option or with ``redlock_queues`` configured.
+    A configuration error at worker start then ends ``celery worker`` with
+    one line naming the setting (the traceback only with ``-l DEBUG``).
     The ``celery.commands`` entry point does this by loading ``redlock``;
     calling it again does nothing.
     """
+    _reports_configuration_errors(worker_command)
     known = {param.name for param in worker_command.params}
     for option in worker_options():
         if option.name not in known:
