@@ -1,14 +1,15 @@
-"""The ``celery`` program with celery-redlock: a bad setting at worker start.
+"""The ``celery`` program with celery-redlock: ``redlock purge`` and a bad setting at worker start.
 
 Each test runs the real program in a subprocess (``python -m celery -A
 tests.celery_apps.cli_app ...``), as an operator would, against a private
-redis-server.
+redis-server, and answers its questions on stdin.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -17,10 +18,16 @@ from typing import Any
 
 import pytest
 
+from celery_redlock import Lock
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.keys import KeyBuilder
 from tests.redis_servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "tests.celery_apps.cli_app"
+#: The app's SingletonTask (importing the app module would build the app here).
+TASK_NAME = "cli.sync"
+PROMPT = "lock(s)? [y/N]:"
 
 
 def run_celery(
@@ -51,6 +58,56 @@ def run_celery(
 def prefix() -> str:
     """A key prefix of this test's own."""
     return f"cli-{uuid.uuid4().hex[:8]}"
+
+
+def hold(server: RedisServer, prefix: str, account: int) -> str:
+    """Take the task lock of ``sync(account)`` as a worker would, and leave it held; its key."""
+    key = KeyBuilder(TASK_NAME, lambda account: account, None, prefix).key_for((account,), {})
+    holder = Holder.new(f"task-{account}", "worker1@test", ttl=60)
+    lock = Lock(server.client(), key, timeout=60, auto_renew=False)
+    assert lock.acquire(blocking=False, token=holder.encode())
+    return key
+
+
+def test_purge_lists_what_it_would_delete_then_asks_and_a_no_deletes_nothing(redis_server, prefix):
+    """Declined: the locks are listed as "would delete" before the question, and all remain."""
+    keys = [hold(redis_server, prefix, account) for account in (1, 2)]
+    values = {key: redis_server.client().get(key) for key in keys}
+    done = run_celery(redis_server, prefix, "redlock", "purge", "--all", answer="n\n")
+    assert done.returncode == 1, done.stderr
+    out = done.stdout
+    asked = out.index(PROMPT)
+    for key in keys:
+        assert f"would delete {key} (held by task-" in out[:asked]
+    assert "deleting" not in out and "deleted" not in out
+    assert "Aborted!" in done.stderr
+    assert {key: redis_server.client().get(key) for key in keys} == values
+
+
+def test_purge_deletes_after_a_yes(redis_server, prefix):
+    """Accepted: the listed locks are deleted, and the count says so."""
+    keys = [hold(redis_server, prefix, account) for account in (1, 2)]
+    done = run_celery(redis_server, prefix, "redlock", "purge", "--all", answer="y\n")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    asked = out.index(PROMPT)
+    assert all(f"would delete {key}" in out[:asked] for key in keys)
+    assert out.rstrip().endswith("deleted 2 lock(s)")
+    assert not any(redis_server.client().exists(key) for key in keys)
+
+
+def test_purge_yes_does_not_ask_and_names_what_it_deleted(redis_server, prefix):
+    """--yes: no question; each lock is named as it is deleted."""
+    key = hold(redis_server, prefix, 3)
+    done = run_celery(redis_server, prefix, "redlock", "purge", "--task", TASK_NAME, "--yes")
+    assert done.returncode == 0, done.stderr
+    assert PROMPT not in done.stdout
+    deleted, total = done.stdout.splitlines()
+    assert re.fullmatch(
+        rf"deleted {re.escape(key)} \(held by task-3 on worker1@test, ttl [\d.]+s\)", deleted
+    )
+    assert total == "deleted 1 lock(s)"
+    assert not redis_server.client().exists(key)
 
 
 @pytest.mark.timeout(90)
