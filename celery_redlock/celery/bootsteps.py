@@ -18,13 +18,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery import bootsteps
-from redis.exceptions import RedisError
 
 from celery_redlock.celery.settings import check_settings, flag, parse_queues
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.health import check_store
 from celery_redlock.core.inventory import clients_of
 from celery_redlock.core.recovery import lock_prefixes, recover_stale
-from celery_redlock.core.store import redact_url, store_for
+from celery_redlock.core.store import store_for
 
 from . import control, spawned, stats
 from .queues import QueueLocks, check_guarded_tasks, lock_plain_tasks, register
@@ -39,9 +40,6 @@ SPAWN_STATS_WARNING = (
     "processes with spawn, and spawned processes cannot reach the counters' memory, which "
     "only forked ones share; set redlock_stats = False to silence this warning"
 )
-
-#: Eviction policies under which Redis never drops keys to free memory.
-_SAFE_POLICIES = ("noeviction",)
 
 
 def prepare_worker(
@@ -97,68 +95,30 @@ def prepare_worker(
 
 
 def check_lock_store(app: Any) -> str:
-    """Ping the lock store and warn about settings that endanger locks; return a summary line.
+    """Run the lock scripts on every master of the lock store; log and return a summary line.
 
-    Every master is checked: each one of a Redlock or a Redis Cluster, the
-    current master of a Sentinel group. Never raises: a lock store that is down
-    at worker start is reported, and each task's ``on_redis_error`` policy
-    handles it when it runs.
+    What ``celery redlock check`` checks (see :mod:`celery_redlock.core.health`):
+    acquire, renew and release under each key prefix in use, on each master of
+    a Redlock or a Redis Cluster, the current master of a Sentinel group. Also
+    warns about an eviction policy that may drop locks. Never raises: a lock
+    store that fails at worker start is logged (ERROR), and each task's
+    ``on_redis_error`` policy handles it when it runs.
     """
-    store = store_for(app)
-    address = store.spec.describe()
-    try:
-        masters = store.masters()
-    except RedisError as exc:
-        logger.error("celery-redlock: lock store %s is unreachable: %r", address, exc)
-        return f"lock store {address} is unreachable: {exc!r}"
-    versions, problems = [], []
-    for client in masters:
-        name = _name(client)
-        try:
-            client.ping()
-            versions.append(client.info("server").get("redis_version", "?"))
-        except RedisError as exc:
-            logger.error("celery-redlock: lock store master %s is unreachable: %r", name, exc)
-            problems.append(f"{name} is unreachable: {exc!r}")
-            continue
-        policy = _eviction_policy(client)
-        if policy is not None:
+    result = check_store(store_for(app), lock_prefixes(app))
+    if not result.ok:
+        logger.error("celery-redlock: %s", result.failure())
+        return result.summary()
+    for node in result.nodes:
+        if node.eviction_policy is not None:
             logger.warning(
                 "celery-redlock: lock store master %s has maxmemory-policy %s: under memory "
                 "pressure it may evict lock keys and let duplicates run; use noeviction",
-                name,
-                policy,
+                node.name,
+                node.eviction_policy,
             )
-            problems.append(f"WARNING: {name} has maxmemory-policy {policy}, which can evict locks")
-    if not versions:
-        return f"lock store {address} is unreachable: {'; '.join(problems)}"
-    summary = f"lock store {address} (Redis {', '.join(sorted(set(versions)))}) answers"
-    if problems:
-        summary += "; " + "; ".join(problems)
+    summary = result.summary()
     logger.info("celery-redlock: %s", summary)
     return summary
-
-
-def _name(client: Any) -> str:
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-    if "host" in kwargs:
-        return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
-    return redact_url(kwargs.get("path", repr(client)))
-
-
-def _eviction_policy(client: Any) -> str | None:
-    """Return the eviction policy of ``client``'s server if it may drop lock keys."""
-    try:
-        config = client.config_get("maxmemory*")
-    except RedisError:  # CONFIG is often disabled on managed Redis
-        return None
-    policy = config.get("maxmemory-policy") or config.get(b"maxmemory-policy")
-    limit = config.get("maxmemory") or config.get(b"maxmemory")
-    if isinstance(policy, bytes):
-        policy = policy.decode()
-    if policy and policy not in _SAFE_POLICIES and str(limit or "0") != "0":
-        return str(policy)
-    return None
 
 
 def recover_at_start(app: Any, node: str) -> int:
@@ -174,7 +134,7 @@ def recover_at_start(app: Any, node: str) -> int:
             for info in recover_stale(client, lock_prefixes(app), node)
         ]
     except Exception as exc:  # RedisError, or a Cluster that cannot be discovered
-        logger.warning("celery-redlock: stale-lock recovery skipped: %r", exc)
+        logger.warning("celery-redlock: stale-lock recovery skipped: %s", describe_error(exc))
         return 0
     logger.info(
         "celery-redlock: stale-lock recovery for %s released %d lock(s)", node, len(released)
@@ -193,9 +153,11 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
 
     Receives the ``--redlock-queues`` worker option as ``redlock_queues`` and
     ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover_stale``
-    (which wins over the setting of that name). A configuration error
-    stops a command-line worker with one line naming the setting and value; a
-    programmatic worker gets the ``ConfigurationError``.
+    (which wins over the setting of that name).
+
+    Raises:
+        ConfigurationError: Naming the bad setting, option or queue. ``celery
+            worker`` reports it in one line (see :mod:`celery_redlock.ops.cli`).
     """
 
     name = "celery-redlock"
@@ -209,23 +171,16 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
     ) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
-        try:
-            consumed = dict(app.amqp.queues.consume_from)
-            self.locks = prepare_worker(app, redlock_queues, consumed)
-            recover = flag(app.conf, "redlock_recover_stale", True)
-            if redlock_recover_stale is not None:
-                if not isinstance(redlock_recover_stale, bool):
-                    raise ConfigurationError(
-                        "--redlock-recover", redlock_recover_stale, "must be True or False"
-                    )
-                recover = redlock_recover_stale
-            counting = flag(app.conf, "redlock_stats", True)
-        except ConfigurationError as exc:
-            from celery.apps.worker import Worker as CommandLineWorker
-
-            if isinstance(worker, CommandLineWorker):
-                raise SystemExit(f"celery-redlock: configuration error: {exc}") from None
-            raise
+        consumed = dict(app.amqp.queues.consume_from)
+        self.locks = prepare_worker(app, redlock_queues, consumed)
+        recover = flag(app.conf, "redlock_recover_stale", True)
+        if redlock_recover_stale is not None:
+            if not isinstance(redlock_recover_stale, bool):
+                raise ConfigurationError(
+                    "--redlock-recover", redlock_recover_stale, "must be True or False"
+                )
+            recover = redlock_recover_stale
+        counting = flag(app.conf, "redlock_stats", True)
         check_lock_store(app)
         spawning = spawned.spawns_pool_processes(worker)
         if spawning and self.locks.locked:

@@ -32,6 +32,7 @@ from celery_redlock.calls.decisions import (
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import LockOptions
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
@@ -334,16 +335,18 @@ class TaskGuard(Guard[Any]):
         """
         task, request = self.task, self.task.request
         logger.warning(
-            "task %s[%s]: could not requeue for %s (%r); %s",
+            "task %s[%s]: could not requeue for %s (%s); %s",
             task.name,
             request.id,
             key,
-            exc,
+            describe_error(exc),
             "the broker redelivers it" if task.acks_late else "it fails",
         )
         if task.acks_late:
             raise Reject(exc, requeue=True) from exc
-        raise LockError(f"could not requeue for lock {key}: {exc!r}", lock_name=key) from exc
+        raise LockError(
+            f"could not requeue for lock {key}: {describe_error(exc)}", lock_name=key
+        ) from exc
 
     def _record_skip(self, key: str, holder: Holder | None) -> None:
         task, request = self.task, self.task.request
@@ -403,5 +406,5 @@ class TaskGuard(Guard[Any]):
         if policy == "requeue":
             self._requeue(call.key, Refusal(), Decision("requeue"), unreachable=exc)
         raise LockError(
-            f"lock store {failure} for {call.key}: {exc!r}", lock_name=call.key
+            f"lock store {failure} for {call.key}: {describe_error(exc)}", lock_name=call.key
         ) from exc

@@ -19,6 +19,7 @@ from celery import signals
 from redis.exceptions import RedisError
 
 from celery_redlock.celery.settings import GUARDED_ATTRIBUTE
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.holder import Holder
 
 from .guards import guard_for
@@ -53,10 +54,10 @@ def _release_reservation(
         release_revoked(sender, guard_for(sender), request)
     except Exception as exc:  # a handler must not take the worker down
         logger.warning(
-            "task %s[%s]: could not release the enqueue lock of a revoked task: %r",
+            "task %s[%s]: could not release the enqueue lock of a revoked task: %s",
             sender.name,
             request.id,
-            exc,
+            describe_error(exc),
         )
 
 
@@ -82,10 +83,10 @@ def _release_killed(
         level = logging.WARNING if isinstance(exc, RedisError) else logging.ERROR
         logger.log(
             level,
-            "task %s[%s]: could not release the lock of its killed process: %r",
+            "task %s[%s]: could not release the lock of its killed process: %s",
             task.name,
             request.id,
-            exc,
+            describe_error(exc),
         )
         return
     if released:

@@ -27,6 +27,7 @@ from celery.utils.time import maybe_iso8601
 from redis.exceptions import RedisError
 
 from celery_redlock.calls.context import current_lock
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import DuplicateTask, LockError
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import Lease
@@ -226,14 +227,14 @@ def _store_down(
     _cancel(guard, rkey, value, ttl_ms, label)
     if kind is Republish.NEW and guard.options.on_redis_error != "run":
         raise LockError(
-            f"{label} was not published: lock store unreachable for {rkey}: {exc!r}",
+            f"{label} was not published: lock store unreachable for {rkey}: {describe_error(exc)}",
             lock_name=rkey,
         ) from exc
     logger.warning(
-        "%s: lock store unreachable for %s (%r); publishing WITHOUT an enqueue lock",
+        "%s: lock store unreachable for %s (%s); publishing WITHOUT an enqueue lock",
         label,
         rkey,
-        exc,
+        describe_error(exc),
     )
     return publish(args, kwargs, task_id, _with_reservation(options, kept))
 
@@ -316,11 +317,11 @@ def _undo(guard: TaskGuard, rkey: str, value: str, label: str) -> None:
             logger.info("%s: publish failed; released its reservation %s", label, rkey)
     except RedisError as exc:
         logger.warning(
-            "%s: publish failed and its reservation %s could not be released (%r); "
+            "%s: publish failed and its reservation %s could not be released (%s); "
             "it expires by itself",
             label,
             rkey,
-            exc,
+            describe_error(exc),
         )
 
 
@@ -343,10 +344,10 @@ def _cancel(guard: TaskGuard, rkey: str, value: str, ttl_ms: int, label: str) ->
                 continue
             logger.warning(
                 "%s: the reservation %s may have been taken and could not be cancelled "
-                "(%r); if so, it expires within %ss",
+                "(%s); if so, it expires within %ss",
                 label,
                 rkey,
-                exc,
+                describe_error(exc),
                 ttl_ms / 1000,
             )
             return

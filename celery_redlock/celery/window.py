@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from celery_redlock.calls.decisions import Decision
 from celery_redlock.calls.guarded import UNPROTECTED, Call, run_unprotected
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.scripts import RELEASE
@@ -216,7 +217,11 @@ class EnqueueGuard(TaskGuard):
                 try:
                     RELEASE(self.client, (lock.reservation_key,), (lock.reservation, "0"))
                 except RedisError as exc:
-                    logger.warning("could not drop reservation %s: %r", lock.reservation_key, exc)
+                    logger.warning(
+                        "could not drop reservation %s: %s",
+                        lock.reservation_key,
+                        describe_error(exc),
+                    )
 
     def release(self, call: Call, lock: Any, lease: Lease) -> bool:
         """Release the lock, or hand it to the retry this attempt published."""
@@ -233,9 +238,9 @@ class EnqueueGuard(TaskGuard):
             swapped: bool = RESERVE(self.client, (lease.name,), (value, ttl_ms, lease.token)) == 1
         except RedisError as exc:
             logger.warning(
-                "%s: could not hand the lock to the retry (%r); it expires within %ss",
+                "%s: could not hand the lock to the retry (%s); it expires within %ss",
                 lease.describe(),
-                exc,
+                describe_error(exc),
                 lease.ttl,
             )
             return True
@@ -317,11 +322,11 @@ class EnqueueGuard(TaskGuard):
                 )
         except RedisError as exc:
             logger.warning(
-                "task %s[%s]: could not take back its reservation %s (%r); it expires by itself",
+                "task %s[%s]: could not take back its reservation %s (%s); it expires by itself",
                 self.task.name,
                 self.task.request.id,
                 rkey,
-                exc,
+                describe_error(exc),
             )
 
     def _lapsed(self, rkey: str) -> None:

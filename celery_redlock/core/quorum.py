@@ -14,6 +14,7 @@ from typing import Any
 
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .error_text import describe_error
 from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round, Settle
 from .nodes import Node
@@ -216,7 +217,7 @@ def lost_vote(
             refused = refusal(outcome)
             if refused is not None:
                 errors[name] = refused
-    details = "; ".join(f"{name}: {error}" for name, error in errors.items())
+    details = "; ".join(f"{name}: {describe_error(error)}" for name, error in errors.items())
     return QuorumNotAchieved(
         f"{message}: {votes.granted} of {len(names)} masters agreed, "
         f"{votes.needed} needed" + (f" ({details})" if details else ""),

@@ -27,6 +27,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from .error_text import describe_error
 from .lease import Clock, Lease
 from .nodes import bounded_client
 from .scripts import RENEW
@@ -238,16 +239,18 @@ class Watchdog:
         retrying = 0
         for lease in leases:
             if lease.remaining() <= 0.0:
-                lease.mark_lost(f"could not be renewed before its validity ran out: {exc!r}")
+                lease.mark_lost(
+                    f"could not be renewed before its validity ran out: {describe_error(exc)}"
+                )
                 continue
             retrying += 1
             with self._cond:
                 self._push(lease, now + min(_retry_delay(lease), lease.remaining() / 2))
         if retrying:
             logger.warning(
-                "renewal of %d lock(s) failed (%r); retrying until their validity runs out",
+                "renewal of %d lock(s) failed (%s); retrying until their validity runs out",
                 retrying,
-                exc,
+                describe_error(exc),
             )
 
 

@@ -9,11 +9,26 @@ from typing import Any, Union
 import redis
 
 from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.store import redact_url
 
 __all__ = ["ClientResolver", "ClientSource"]
 
 #: A client, or a function of no arguments returning one (called on every call).
 ClientSource = Union[Any, Callable[[], Any]]
+
+
+def _check_url(url: object) -> None:
+    """Read ``url`` as redis-py will on the first call, so a bad one fails at decoration.
+
+    Raises:
+        ConfigurationError: Naming ``url`` (password masked) and redis-py's reason.
+    """
+    if not isinstance(url, str):
+        raise ConfigurationError("url", url, "must be a redis://, rediss:// or unix:// URL")
+    try:
+        redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigurationError("url", redact_url(url), str(exc)) from None
 
 
 class ClientResolver:
@@ -31,8 +46,8 @@ class ClientResolver:
             raise ConfigurationError(
                 "client", client, "give exactly one of client= (a client or a factory) and url="
             )
-        if url is not None and not (isinstance(url, str) and "://" in url):
-            raise ConfigurationError("url", url, "must be a redis://, rediss:// or unix:// URL")
+        if url is not None:
+            _check_url(url)
         self._client = client
         self._url = url
         self._by_pid: tuple[int, Any] | None = None

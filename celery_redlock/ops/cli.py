@@ -14,6 +14,8 @@ the dashboard (``web``) in :mod:`celery_redlock.ops.web`.
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from typing import Any
 
@@ -23,7 +25,6 @@ from celery.bin.base import CeleryCommand
 from celery.bin.worker import worker as worker_command
 
 from celery_redlock.celery import control
-from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.celery.install import (
     METRICS_OPTION_NAME,
     RECOVER_OPTION_NAME,
@@ -31,9 +32,12 @@ from celery_redlock.celery.install import (
     install,
     worker_options,
 )
-from celery_redlock.celery.settings import check_settings, flag, lock_url
+from celery_redlock.celery.settings import check_settings, flag
 from celery_redlock.celery.worker_ops import read_ops_settings
 from celery_redlock.core.exceptions import ConfigurationError
+from celery_redlock.core.health import check_store
+from celery_redlock.core.recovery import lock_prefixes
+from celery_redlock.core.store import store_for
 
 from .commands import COMMANDS
 from .web.command import web
@@ -45,7 +49,13 @@ __all__ = ["plug_in"]
 @click.command(cls=CeleryCommand)
 @click.pass_context
 def check(ctx: click.Context, /, **kwargs: Any) -> None:
-    """Validate the redlock settings and ping the lock store; exit 1 on a bad setting."""
+    """Validate the redlock settings and run the lock scripts on every lock store master.
+
+    Exit status 0 with a short summary when every setting is valid and
+    acquire, renew and release ran under each key prefix on every master;
+    otherwise 1, with one line on stderr saying why (with the store error's
+    cause). Fit for a readiness probe.
+    """
     app = ctx.obj.app
     try:
         queues = check_settings(app.conf)
@@ -53,12 +63,15 @@ def check(ctx: click.Context, /, **kwargs: Any) -> None:
         flag(app.conf, "redlock_stats", True)
         read_ops_settings(app.conf)
         app.finalize()  # binds SingletonTasks, which validates their options
+        result = check_store(store_for(app), lock_prefixes(app))
     except ConfigurationError as exc:
         click.echo(f"celery-redlock: configuration error: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"lock store: {lock_url(app.conf)}")
+    if not result.ok:
+        click.echo(f"celery-redlock: {result.failure()}", err=True)
+        sys.exit(1)
+    click.echo(result.summary())
     click.echo(f"locked queues: {', '.join(sorted(queues)) or '(none)'}")
-    click.echo(check_lock_store(app))
 
 
 _group = click.Group(
@@ -82,6 +95,32 @@ def _install_when_asked(sender: Any = None, **kwargs: Any) -> None:
         install(app)
 
 
+def _reports_configuration_errors(command: click.Command) -> None:
+    """Make ``command`` end on a :class:`ConfigurationError` with one line and exit status 1.
+
+    The error names the setting and its value, which is all an operator
+    needs; Celery would print some sixty lines of traceback through its app
+    loading. ``-l DEBUG`` (``--loglevel``) keeps the traceback.
+    """
+    callback = command.callback
+    if callback is None or getattr(callback, "_redlock_reports", False):
+        return
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except ConfigurationError as exc:
+            level = kwargs.get("loglevel")
+            if isinstance(level, int) and level <= logging.DEBUG:
+                raise
+            click.echo(f"celery-redlock: configuration error: {exc}", err=True)
+            sys.exit(1)
+
+    run._redlock_reports = True  # type: ignore[attr-defined]
+    command.callback = run
+
+
 def plug_in() -> click.Group:
     """Plug celery-redlock into the ``celery`` program; return the ``celery redlock`` group.
 
@@ -89,9 +128,12 @@ def plug_in() -> click.Group:
     to ``celery worker``, registers the ``redlock_stats`` inspect command and
     connects the ``worker_init`` handler that installs celery-redlock in a
     worker started with either option or with ``redlock_queues`` configured.
+    A configuration error at worker start then ends ``celery worker`` with
+    one line naming the setting (the traceback only with ``-l DEBUG``).
     The ``celery.commands`` entry point does this by loading ``redlock``;
     calling it again does nothing.
     """
+    _reports_configuration_errors(worker_command)
     known = {param.name for param in worker_command.params}
     for option in worker_options():
         if option.name not in known:

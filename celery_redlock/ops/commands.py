@@ -21,6 +21,7 @@ from celery.bin.base import CeleryCommand
 
 from celery_redlock.celery.control import STATS_COMMAND
 from celery_redlock.celery.stats import COUNTERS
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.inventory import LockInfo, clients_of, find_locks, read_locks
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
@@ -223,7 +224,7 @@ def holder_liveness(app: Any, holder: Holder | None, timeout: float) -> Liveness
     try:
         replies = app.control.ping(destination=[node], timeout=timeout)
     except Exception as exc:
-        return Liveness(None, f"could not ping worker {node}: {exc!r}")
+        return Liveness(None, f"could not ping worker {node}: {describe_error(exc)}")
     if any(node in reply for reply in replies or ()):
         return Liveness(True, f"worker {node} answers ping")
     silent = f"worker {node} did not answer a ping within {timeout:g}s"
@@ -328,30 +329,40 @@ def purge(
 ) -> None:
     """Delete the task locks of one task (--task) or all of them (--all), held or not.
 
-    Live holders are not spared: their tasks go on running without a lock.
-    Fence counters stay, so fences keep increasing.
+    Lists what it would delete and asks before deleting anything (--yes: does
+    not ask; --dry-run: only lists). Live holders are not spared: their tasks
+    go on running without a lock. Fence counters stay, so fences keep increasing.
     """
     if (task is None) == (not everything):
         raise click.UsageError("give exactly one of --task NAME or --all")
     app = _app(ctx)
     locks = _find(app, _prefixes(app, prefixes), task)
-    verb = "would delete" if dry_run else "deleting"
-    for info in locks:
-        holder = info.holder
-        who = f"{holder.task_id} on {holder.hostname}" if holder else "?"
-        click.echo(f"{verb} {info.key} (held by {who}, ttl {_ttl(info.ttl)})")
-    if dry_run:
-        click.echo(f"dry run: {len(locks)} lock(s) would be deleted; nothing was deleted")
-        return
     if not locks:
         click.echo("no locks to delete")
         return
+    if dry_run or not yes:
+        for info in locks:
+            click.echo(f"would delete {_purge_line(info)}")
+    if dry_run:
+        click.echo(f"dry run: {len(locks)} lock(s) would be deleted; nothing was deleted")
+        return
     if not yes:
         click.confirm(f"delete {len(locks)} lock(s)?", abort=True)
-    deleted = sum(int(_delete(app, info)) for info in locks)
+    deleted = 0
+    for info in locks:
+        if _delete(app, info):
+            deleted += 1
+            if yes:  # nothing was listed: say what went
+                click.echo(f"deleted {_purge_line(info)}")
     changed = len(locks) - deleted
     tail = f"; {changed} had changed hands or expired and were left" if changed else ""
     click.echo(f"deleted {deleted} lock(s){tail}")
+
+
+def _purge_line(info: LockInfo) -> str:
+    holder = info.holder
+    who = f"{holder.task_id} on {holder.hostname}" if holder else "?"
+    return f"{info.key} (held by {who}, ttl {_ttl(info.ttl)})"
 
 
 def _sum_stats(replies: Iterable[dict[str, Any]]) -> dict[str, dict[str, int]]:

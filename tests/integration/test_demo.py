@@ -89,3 +89,45 @@ def test_demo_runs_end_to_end_and_cleans_up(redis_server):
 
     for db in (0, 12):
         assert redis_server.client(db=db).dbsize() == 0, f"keys left in db {db}"
+
+
+def run_demo_script(redis_url: str) -> subprocess.CompletedProcess[str]:
+    """Run ``scripts/demo`` itself with ``REDIS_URL`` set; it must end on its own within 60 s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEMO_")}
+    env["REDIS_URL"] = redis_url
+    return subprocess.run(
+        [str(REPO_ROOT / "scripts" / "demo")],
+        cwd=REPO_ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_a_redis_url_that_does_not_answer_is_an_error_not_a_fallback():
+    """REDIS_URL naming a port nobody listens on ends the demo, saying so; 6379 is not used."""
+    done = run_demo_script("redis://127.0.0.1:1/0")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    fail = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+    assert fail == [
+        "FAIL     no Redis: REDIS_URL=redis://127.0.0.1:1/0 does not answer: "
+        "Error 111 connecting to 127.0.0.1:1. Connection refused."
+    ], output
+    assert "6379" not in output
+    assert "Worker" not in output and "Traceback" not in output
+
+
+@pytest.mark.timeout(90)
+def test_a_redis_url_redis_py_cannot_read_gives_one_line():
+    """REDIS_URL=nonsense://x ends the demo with one line naming the URL, not a traceback."""
+    done = run_demo_script("nonsense://x")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    fail = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+    assert len(fail) == 1, output
+    assert fail[0].startswith("FAIL     no Redis: REDIS_URL=nonsense://x is not a Redis URL: ")
+    assert "Traceback" not in output

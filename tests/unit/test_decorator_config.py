@@ -34,6 +34,41 @@ def test_bad_option_is_named(options, setting):
     assert info.value.setting == setting
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("nonsense://", "must specify one of the following schemes"),
+        ("nonsense://x", "must specify one of the following schemes"),
+        ("redis://127.0.0.1:port/0", "Port could not be cast"),
+    ],
+)
+def test_a_url_redis_py_cannot_read_fails_at_decoration(url, reason):
+    """singleton(url=...) reads the URL as redis-py will; one it cannot read is refused at once."""
+    with pytest.raises(ConfigurationError, match=reason) as info:
+        singleton(url=url)(plain)
+    assert info.value.setting == "url"
+    assert str(info.value).startswith(f"url={url!r}: ")
+
+
+def test_a_rejected_url_does_not_show_its_password():
+    """The error names the URL with its password masked."""
+    with pytest.raises(ConfigurationError) as info:
+        singleton(plain, url="nonsense://user:s3cret@host/0")
+    assert "s3cret" not in str(info.value)
+    assert "user:***@host" in str(info.value)
+
+
+def test_every_url_redis_py_reads_is_accepted():
+    """TLS, unix sockets, credentials and query options pass as redis-py reads them."""
+    for url in (
+        "redis://127.0.0.1:1/0",
+        "rediss://user:pw@127.0.0.1:1/2",
+        "unix:///tmp/redis.sock?db=3",
+        "redis://127.0.0.1:1/0?socket_timeout=0.5",
+    ):
+        singleton(plain, url=url)
+
+
 def test_client_or_url_is_required_exactly_once():
     """Neither or both of client= and url= is a ConfigurationError."""
     with pytest.raises(ConfigurationError, match="exactly one"):

@@ -55,3 +55,32 @@ def test_test_extra_covers_the_web_extra():
     """The dashboard and metrics tests run in the test install, so test holds all of web."""
     assert extra("web"), "the web extra is empty"
     assert extra("web") <= extra("test")
+
+
+def test_no_extra_needs_docker():
+    """pytest-celery (whose worker fixture runs Docker) is in no extra: the tests never use it."""
+    parser = configparser.ConfigParser()
+    parser.read(SETUP_CFG)
+    every = "\n".join(parser["options.extras_require"].values())
+    assert "pytest-celery" not in every
+    assert "docker" not in every
+
+
+def test_no_docker_plugin_is_loaded(pytestconfig):
+    """Where pytest-celery or pytest-docker-tools are still installed, their plugins stay off."""
+    manager = pytestconfig.pluginmanager
+    assert manager.get_plugin("celery") is None
+    assert manager.get_plugin("docker_tools") is None
+    loaded = {getattr(plugin, "__name__", "") for plugin in manager.get_plugins()}
+    assert not {name for name in loaded if name.startswith(("pytest_celery", "pytest_docker"))}
+
+
+def test_the_licence_is_mit_and_shipped():
+    """LICENSE holds the MIT licence the README names, and the package metadata ships it."""
+    text = (SETUP_CFG.parent / "LICENSE").read_text()
+    assert text.startswith("MIT License\n")
+    assert "Copyright (c) 2026 The celery-redlock authors" in text
+    parser = configparser.ConfigParser()
+    parser.read(SETUP_CFG)
+    assert parser["metadata"]["license"] == "MIT"
+    assert parser["metadata"]["license_files"] == "LICENSE"
