@@ -3,7 +3,9 @@
 :func:`drain` waits for round trips a Redlock left running in the background.
 
 Import it as ``celery_redlock.asyncio``; it never shadows the standard library's
-``asyncio`` because every module of the package imports absolutely.
+``asyncio`` because every module of the package imports absolutely. It may
+import :mod:`celery_redlock.core` and redis-py, never Celery, RQ or another
+integration.
 """
 
 from __future__ import annotations

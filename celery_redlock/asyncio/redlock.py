@@ -33,10 +33,10 @@ acquire is unanswered (no release is sent; await :func:`~.shielding.drain`
 before closing it). A grant made after either expires with the lock's TTL,
 counted from when the master ran it.
 
-That queue is bounded (:class:`_Queue`): while a master has left a request for
-the key unanswered for the node timeout, or has ``MAX_PENDING`` of them
-pending, further requests for the key fail there at once, counted as that
-master's failure, except the release each queued acquire is owed. A master
+That queue is bounded (:class:`~.ordering.KeyQueue`): while a master has left
+a request for the key unanswered for the node timeout, or has ``MAX_PENDING``
+of them pending, further requests for the key fail there at once, counted as
+that master's failure, except the release each queued acquire is owed. A master
 hung for good (cut off without a connection reset, and clients without a
 ``socket_timeout``) thus costs a few pending requests per key, and stays
 failed for that key in this process until its connection fails.
@@ -49,15 +49,10 @@ cannot delete that attempt's grant.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import random
-import weakref
 from collections import Counter
-from collections.abc import Awaitable, Sequence
-from typing import Any, Callable
-
-import redis.exceptions
+from collections.abc import Sequence
+from typing import Any
 
 from celery_redlock.core.exceptions import (
     ConfigurationError,
@@ -65,12 +60,11 @@ from celery_redlock.core.exceptions import (
     LockNotOwned,
     QuorumNotAchieved,
 )
-from celery_redlock.core.fanout import NOT_ASKED, PENDING
+from celery_redlock.core.fanout import PENDING
 from celery_redlock.core.lease import Lease
 from celery_redlock.core.lock_options import Number
 from celery_redlock.core.lua import Arg, Script
-from celery_redlock.core.nodes import node_address
-from celery_redlock.core.quorum import Votes, agreed_too_late, check_node_timeout, lost_vote
+from celery_redlock.core.quorum import Votes, agreed_too_late, check_node_timeout
 from celery_redlock.core.redlock import ATTEMPT_SEPARATOR
 from celery_redlock.core.replies import (
     Holder,
@@ -79,291 +73,15 @@ from celery_redlock.core.replies import (
     most_common_holder,
     refusal_of_acquire,
 )
-from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE, RENEW
+from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE
 
 from .lock import Lock
+from .masters import Masters, Round, script_request
+from .ordering import MAX_PENDING as MAX_PENDING  # documented here, in docs/asyncio.md
 from .renewal import Renewer
-from .scripts import run_script
-from .shielding import detach
 from .task_state import TaskState
 
 __all__ = ["Redlock"]
-
-#: One master's request: given the master's client, the coroutine to run.
-Request = Callable[[Any], Awaitable[Any]]
-Settle = Callable[[int, Any], bool]
-
-
-def _node_name(client: Any) -> str:
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None)
-    return repr(client) if kwargs is None else node_address(kwargs)
-
-
-#: Requests for one lock key that one master may have pending (sent or waiting
-#: their turn) before further ones fail at once, as that master's failure; a
-#: release the key's queue owes is queued all the same (see :class:`_Queue`).
-MAX_PENDING = 16
-
-
-class _Queue:
-    """The requests for one lock key through one client, which its master runs in order.
-
-    Each request is sent once the one before it has answered or failed. While
-    the request at the head has gone unanswered for the node timeout, or
-    ``MAX_PENDING`` requests are pending, a new request is not queued: it fails
-    at once. So a hung master ties up a few requests per key, not one per
-    operation for as long as it hangs.
-
-    Releases are exempt, within limits that keep the queue bounded: an acquire
-    queued here records its value as owed a release, and the first release of
-    that value is queued however long the queue, behind its acquire. A
-    release of a value not owed is not sent, and answers 0 (not deleted) at
-    once: its acquire never went out here (it failed at once), was refused
-    here (the key held another value), or a release of it is queued already.
-    """
-
-    __slots__ = ("head_since", "loop", "owed", "pending", "tail")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.tail: asyncio.Task[Any] | None = None
-        self.pending = 0
-        # Loop time when the request now at the head became the head.
-        self.head_since = loop.time()
-        # Values an acquire queued here may have stored, with no release queued
-        # since. A value never released (a hold abandoned to its TTL) stays
-        # until the client goes: a few bytes.
-        self.owed: set[bytes] = set()
-
-    def busy(self, timeout: float) -> str | None:
-        """Why a new request (other than an owed release) fails at once, or ``None``."""
-        if self.pending >= MAX_PENDING:
-            return f"{self.pending} requests for this key pending on this master"
-        waited = self.loop.time() - self.head_since
-        if self.pending and waited >= timeout:
-            return f"no answer to a request for this key for {waited:.3f} s"
-        return None
-
-    def add(self, task: asyncio.Task[Any]) -> None:
-        if not self.pending:
-            self.head_since = self.loop.time()
-        self.pending += 1
-        self.tail = task
-
-    def finished(self, queues: dict[str, _Queue], key: str, task: asyncio.Task[Any]) -> None:
-        self.pending -= 1
-        self.head_since = self.loop.time()  # the next request, if any, is sent now
-        if not self.pending and not self.owed and queues.get(key) is self:
-            del queues[key]
-        # A request nobody waited for may fail later (its master died): its error
-        # was either counted or does not matter, and asyncio must not log it as lost.
-        if not task.cancelled():
-            task.exception()
-
-
-# Each client's queue for each lock key, shared by every Redlock of this
-# process. Weak keys: the queues go with the client.
-_queues: weakref.WeakKeyDictionary[Any, dict[str, _Queue]] = weakref.WeakKeyDictionary()
-
-
-def _queues_of(client: Any) -> dict[str, _Queue]:
-    queues = _queues.get(client)
-    if queues is None:
-        queues = _queues[client] = {}
-    return queues
-
-
-async def _answer(reply: Any) -> Any:
-    return reply
-
-
-async def _fail(error: BaseException) -> Any:
-    raise error
-
-
-def _script(script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
-    return lambda client: run_script(script, client, keys, args)
-
-
-class _Round:
-    """One request sent to some masters, each in a task of its own."""
-
-    def __init__(self, size: int, tasks: dict[int, asyncio.Task[Any]]) -> None:
-        self.tasks = tasks
-        self.outcomes: list[Any] = [PENDING if i in tasks else NOT_ASKED for i in range(size)]
-        self.expired = False
-
-
-class _Masters:
-    """The masters of one Redlock: fan-out of one request, and the majority rule."""
-
-    def __init__(self, clients: Sequence[Any], name: str, timeout: float) -> None:
-        self.clients = tuple(clients)
-        self.names = tuple(_node_name(client) for client in clients)
-        self.name = name
-        self.timeout = timeout
-        self.quorum = len(clients) // 2 + 1
-        self._queues: list[dict[str, _Queue]] = [{} for _ in clients]
-
-    def send(
-        self,
-        request: Request,
-        only: Sequence[int] | None = None,
-        *,
-        acquires: bytes | None = None,
-        releases: bytes | None = None,
-    ) -> _Round:
-        """Start ``request`` on every master (or those in ``only``), without waiting.
-
-        Each master gets it once the previous request for this key through the
-        same client has answered or failed, so a master runs them in order; or
-        it fails at once while that master is not answering this key (see
-        :class:`_Queue`). ``acquires`` is the value the request may store (an
-        acquire: it refuses with a list), ``releases`` the value it deletes.
-        """
-        loop = asyncio.get_running_loop()
-        targets = range(len(self.clients)) if only is None else only
-        tasks = {}
-        for i in targets:
-            queue = self._queue(i, loop)
-            if releases is not None:
-                if releases not in queue.owed:
-                    tasks[i] = detach(_answer(0))
-                    continue
-                queue.owed.discard(releases)
-            else:
-                busy = queue.busy(self.timeout)
-                if busy is not None:
-                    tasks[i] = detach(_fail(redis.exceptions.ConnectionError(busy)))
-                    continue
-            if acquires is not None:
-                queue.owed.add(acquires)
-            task = detach(self._one(self.clients[i], request, queue.tail, queue, acquires))
-            queue.add(task)
-            task.add_done_callback(functools.partial(queue.finished, self._queues_of(i), self.name))
-            tasks[i] = task
-        return _Round(len(self.clients), tasks)
-
-    def _queues_of(self, i: int) -> dict[str, _Queue]:
-        try:
-            return _queues_of(self.clients[i])
-        except TypeError:  # a client that cannot be weakly referenced
-            return self._queues[i]
-
-    def _queue(self, i: int, loop: asyncio.AbstractEventLoop) -> _Queue:
-        queues = self._queues_of(i)
-        queue = queues.get(self.name)
-        # Requests left on a loop that is gone never finish: start afresh.
-        if queue is None or queue.loop is not loop:
-            queue = queues[self.name] = _Queue(loop)
-        return queue
-
-    @staticmethod
-    async def _one(
-        client: Any,
-        request: Request,
-        before: asyncio.Task[Any] | None,
-        queue: _Queue,
-        acquires: bytes | None,
-    ) -> Any:
-        if before is not None and not before.done():
-            await asyncio.wait([before])
-        reply = await request(client)
-        if acquires is not None and isinstance(reply, list):
-            # Refused ("held by"): nothing of ours is stored here, no release owed.
-            queue.owed.discard(acquires)
-        return reply
-
-    async def collect(self, round_: _Round, settle: Settle | None = None) -> None:
-        """Wait for replies, passing each to ``settle(index, reply or error)``.
-
-        Stops once ``settle`` returned ``True``, once every master has answered,
-        or at the node timeout. Requests still running go on: see the module's
-        docstring for why they are not cancelled.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
-        index = {task: i for i, task in round_.tasks.items()}
-        waiting = set(index)
-        while waiting:
-            left = deadline - loop.time()
-            if left <= 0:
-                round_.expired = True
-                return
-            done, waiting = await asyncio.wait(
-                waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED
-            )
-            decided = False
-            for i in sorted(index[task] for task in done):
-                task = round_.tasks[i]
-                outcome = (
-                    asyncio.CancelledError() if task.cancelled() else task.exception()
-                ) or task.result()
-                round_.outcomes[i] = outcome
-                if settle is not None and settle(i, outcome):
-                    decided = True
-            if decided:
-                return
-
-    async def vote(
-        self,
-        request: Request,
-        agrees: Callable[[int, Any], bool],
-        *,
-        acquires: bytes | None = None,
-        releases: bytes | None = None,
-    ) -> tuple[_Round, Votes]:
-        """Send ``request`` to every master and count until a majority is won or lost."""
-        votes = Votes(len(self.clients))
-        round_ = self.send(request, acquires=acquires, releases=releases)
-        await self.collect(round_, votes.settle(agrees))
-        return round_, votes
-
-    def failure(
-        self, message: str, round_: _Round, votes: Votes, refusal: Callable[[Any], Any]
-    ) -> QuorumNotAchieved:
-        """The error of a lost vote, with each master's reason (as the thread version's)."""
-        return lost_vote(
-            message,
-            self.name,
-            self.names,
-            round_.outcomes,
-            votes,
-            refusal,
-            self.timeout,
-            round_.expired,
-        )
-
-    async def renew(self, lease: Lease, ms: int, replace: bool = True) -> int:
-        """Renew ``lease`` on a majority: the shortest new TTL among them, 0 if not ours.
-
-        Raises:
-            QuorumNotAchieved: If too few masters answered to tell.
-        """
-        pttls: list[int] = []
-
-        def agrees(i: int, reply: Any) -> bool:
-            if reply and int(reply[0]) > 0:
-                pttls.append(int(reply[0]))
-                return True
-            return False
-
-        request = _script(RENEW, (lease.name,), ("1" if replace else "0", lease.token, ms))
-        round_, votes = await self.vote(request, agrees)
-        if votes.won:
-            return min(pttls)
-        if votes.refused_by_majority:
-            # Masters that still hold our token would keep others out until it expires.
-            self.send(_script(RELEASE, (lease.name,), (lease.token, "0")), releases=lease.token)
-            return 0
-        raise self.failure(
-            f"Cannot renew lock {lease.name}",
-            round_,
-            votes,
-            lambda reply: (
-                None if reply and int(reply[0]) > 0 else LockNotOwned("not ours", self.name)
-            ),
-        )
 
 
 class Redlock(Lock):
@@ -401,7 +119,7 @@ class Redlock(Lock):
             raise ConfigurationError("masters", masters, "must be a non-empty list of clients")
         super().__init__(masters[0], name, *args, **options)
         self.node_timeout = check_node_timeout(node_timeout, self.timeout)
-        self._masters = _Masters(masters, name, self.node_timeout)
+        self._masters = Masters(masters, name, self.node_timeout)
         twice = [n for n, count in Counter(self._masters.names).items() if count > 1]
         if twice:
             raise ConfigurationError("masters", twice, "name the same server more than once")
@@ -486,9 +204,11 @@ class Redlock(Lock):
 
         if self.fencing:
             keys: tuple[Arg, ...] = (self.name, self.fence_key)
-            request = _script(ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms, "0"))
+            request = script_request(
+                ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms, "0")
+            )
         else:
-            request = _script(_SET_NX, (self.name,), (token, self._ttl_ms))
+            request = script_request(_SET_NX, (self.name,), (token, self._ttl_ms))
         grant, votes = await masters.vote(request, agrees, acquires=token)
         fence: int | None = None
         failure: QuorumNotAchieved | None = None
@@ -511,7 +231,7 @@ class Redlock(Lock):
     def _refusal(self, reply: Any) -> LockError | None:
         return refusal_of_acquire(self.name, reply)
 
-    async def _undo_grants(self, grant: _Round, granted: set[int], token: bytes) -> None:
+    async def _undo_grants(self, grant: Round, granted: set[int], token: bytes) -> None:
         """Release a failed acquisition on every master that holds or may yet hold it.
 
         Masters that said yes are released at once and awaited (within the node
@@ -528,9 +248,9 @@ class Redlock(Lock):
         if not undo:
             return
         release = self._masters.send(
-            _script(RELEASE, (self.name,), (token, "0")), only=undo, releases=token
+            script_request(RELEASE, (self.name,), (token, "0")), only=undo, releases=token
         )
-        awaited = _Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
+        awaited = Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
         await self._masters.collect(awaited)
 
     async def _hand_out_fence(
@@ -542,7 +262,7 @@ class Redlock(Lock):
         if votes.won:
             return fence, None
         others = [i for i in range(votes.size) if fences.get(i) != fence]
-        request = _script(
+        request = script_request(
             RAISE_FENCE, (self.name, self.fence_key), (token, fence, self._fence_retention_ms)
         )
         raise_ = self._masters.send(request, only=others)
@@ -558,7 +278,7 @@ class Redlock(Lock):
 
     async def _send_release(self, token: bytes) -> bool:
         round_, votes = await self._masters.vote(
-            _script(RELEASE, (self.name,), (token, "0")),
+            script_request(RELEASE, (self.name,), (token, "0")),
             lambda i, reply: reply == 1,
             releases=token,
         )

@@ -74,12 +74,8 @@ async def run_script(
             that the script's ``resend`` recovers from.
     """
     pool = getattr(client, "connection_pool", None)
-    # Single-connection and Cluster clients go through redis-py as they are.
     if pool is None or getattr(client, "connection", None) is not None:
-        try:
-            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+        return await _through_client(script, client, keys, args)
     # Every lock operation comes here: talking to a pooled connection directly
     # skips redis-py's per-command bookkeeping, as the synchronous Script does.
     connection = await _checkout(pool)
@@ -87,19 +83,8 @@ async def run_script(
     try:
         if script.check_connection:
             await _reconnect_if_closed(connection)
-        try:
-            sent = True
-            return await _run(script, connection, keys, args)
-        except RedisConnectionError:
-            # A pooled connection the server closed fails on first use: try
-            # once more on a fresh one, as the script says is right in case
-            # the first send ran and only its reply was lost (see Script).
-            # Timeouts are not retried.
-            resent_args = script.resend(args)
-            if resent_args is None:
-                raise
-            await connection.disconnect()
-            return await _run(script, connection, keys, resent_args)
+        sent = True
+        return await _run_resending(script, connection, keys, args)
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
     except asyncio.CancelledError:
@@ -116,6 +101,33 @@ async def run_script(
     finally:
         if connection is not None:
             await pool.release(connection)
+
+
+async def _through_client(
+    script: Script, client: Any, keys: Sequence[Arg], args: Sequence[Arg]
+) -> Any:
+    # Single-connection and Cluster clients go through redis-py as they are.
+    try:
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
+
+
+async def _run_resending(
+    script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]
+) -> Any:
+    try:
+        return await _run(script, connection, keys, args)
+    except RedisConnectionError:
+        # A pooled connection the server closed fails on first use: try once
+        # more on a fresh one, as the script says is right in case the first
+        # send ran and only its reply was lost (see Script). Timeouts are not
+        # retried.
+        resent_args = script.resend(args)
+        if resent_args is None:
+            raise
+        await connection.disconnect()
+        return await _run(script, connection, keys, resent_args)
 
 
 async def _finish(

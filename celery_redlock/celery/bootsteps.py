@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_redlock.celery.settings import check_settings, flag, parse_queues
+from celery_redlock.celery.settings import flag
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.health import check_store
@@ -28,7 +28,7 @@ from celery_redlock.core.recovery import lock_prefixes, recover_stale
 from celery_redlock.core.store import store_for
 
 from . import control, spawned, stats
-from .queues import QueueLocks, check_guarded_tasks, lock_plain_tasks, register
+from .queues import QueueLocks, lock_queues
 
 __all__ = ["RedlockStep", "check_lock_store", "prepare_worker", "recover_at_start"]
 
@@ -47,8 +47,9 @@ def prepare_worker(
 ) -> QueueLocks:
     """Validate every redlock setting and set up per-queue locking for one worker.
 
-    Runs in the worker's main process, and again in each spawned pool process
-    (see :mod:`celery_redlock.celery.spawned`). Every queue named in ``redlock_queues``
+    Runs in the worker's main process; each spawned pool process runs
+    :func:`~celery_redlock.celery.queues.lock_queues` again, quietly (see
+    :mod:`celery_redlock.celery.spawned`). Every queue named in ``redlock_queues``
     or ``--redlock-queues`` is locked whenever the worker consumes it, also
     when it starts consuming it later (see :mod:`celery_redlock.celery.added_queues`);
     ``--redlock-queues`` must name queues the worker consumes at start.
@@ -62,21 +63,7 @@ def prepare_worker(
     Raises:
         ConfigurationError: Naming the first bad setting, option or queue.
     """
-    queues = check_settings(app.conf)
-    for name in parse_queues(cli_queues, "--redlock-queues"):
-        if name not in consumed:
-            raise ConfigurationError(
-                "--redlock-queues",
-                name,
-                f"is not a queue this worker consumes ({', '.join(sorted(consumed))})",
-            )
-        queues.setdefault(name, {})
-    # Every locked queue, consumed or not: the worker may be told to consume one
-    # later (add_consumer), and its pool processes must already know it then.
-    locks = QueueLocks(queues, consumed.values(), app.amqp.queues.values())
-    check_guarded_tasks(app, locks, sorted(locks.consumed))
-    register(app, locks)
-    wrapped = lock_plain_tasks(app) if locks.locked else 0
+    locks, wrapped = lock_queues(app, cli_queues, consumed)
     if announce and locks.consumed:
         logger.info(
             "celery-redlock: locking tasks from queue(s) %s (%d plain task(s) wrapped)",

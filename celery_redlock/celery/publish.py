@@ -163,8 +163,7 @@ def apply_async(
         options: The other ``apply_async`` options.
 
     Returns:
-        The new task's ``AsyncResult``, or, under ``on_duplicate="return_existing"``,
-        the one of the copy that holds the reservation.
+        The new task's ``AsyncResult``, or the holding copy's (``return_existing``).
 
     Raises:
         DuplicateTask: A copy holds the reservation and ``on_duplicate="raise"``,

@@ -18,7 +18,12 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery_redlock.celery.settings import GUARDED_ATTRIBUTE, resolve
+from celery_redlock.celery.settings import (
+    GUARDED_ATTRIBUTE,
+    check_settings,
+    parse_queues,
+    resolve,
+)
 from celery_redlock.core.exceptions import ConfigurationError
 
 from .guard import called_inside, guarding
@@ -28,6 +33,7 @@ __all__ = [
     "QueueLocks",
     "check_guarded_tasks",
     "lock_plain_tasks",
+    "lock_queues",
     "locked_queue",
     "register",
     "registered",
@@ -192,6 +198,43 @@ def locked_queue(task: Any) -> tuple[str, Mapping[str, Any]] | None:
     if queue is None:
         return None
     return queue, locks.locked[queue]
+
+
+def lock_queues(
+    app: Any, cli_queues: str | None, consumed: Mapping[str, Any]
+) -> tuple[QueueLocks, int]:
+    """Validate every redlock setting and set up per-queue locking in this process.
+
+    Runs in the worker's main process (through
+    :func:`~celery_redlock.celery.bootsteps.prepare_worker`), and again in
+    each spawned pool process (see :mod:`celery_redlock.celery.spawned`).
+
+    Args:
+        app: The worker's app.
+        cli_queues: The ``--redlock-queues`` value, if given.
+        consumed: The queues this worker consumes, by name.
+
+    Returns:
+        The queue locks, and how many plain tasks were wrapped.
+
+    Raises:
+        ConfigurationError: Naming the first bad setting, option or queue.
+    """
+    queues = check_settings(app.conf)
+    for name in parse_queues(cli_queues, "--redlock-queues"):
+        if name not in consumed:
+            raise ConfigurationError(
+                "--redlock-queues",
+                name,
+                f"is not a queue this worker consumes ({', '.join(sorted(consumed))})",
+            )
+        queues.setdefault(name, {})
+    # Every locked queue, consumed or not: the worker may be told to consume one
+    # later (add_consumer), and its pool processes must already know it then.
+    locks = QueueLocks(queues, consumed.values(), app.amqp.queues.values())
+    check_guarded_tasks(app, locks, sorted(locks.consumed))
+    register(app, locks)
+    return locks, lock_plain_tasks(app) if locks.locked else 0
 
 
 def lock_plain_tasks(app: Any) -> int:

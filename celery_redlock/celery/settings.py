@@ -141,6 +141,14 @@ def resolve(
         # one runs; skipping it would drop the call every duplicate folded into.
         values["on_conflict"] = OnConflict.REQUEUE
     options = LockOptions(**values)
+    _check_requeue_delays(options, sources, unset)
+    if queue is not None:
+        _check_queue_entry(task.name, options, queue, queue_options)
+    return options
+
+
+def _check_requeue_delays(options: LockOptions, sources: dict[str, str], unset: set[str]) -> None:
+    """Refuse a first requeue delay above the cap, naming the more specific of the two settings."""
     if options.requeue_max_delay < options.requeue_delay:
         # Name whichever of the two was given most specifically: that is the one to fix.
         at_fault = "requeue_delay" if "requeue_max_delay" in unset else "requeue_max_delay"
@@ -153,9 +161,6 @@ def resolve(
             if at_fault == "requeue_delay"
             else f"is below requeue_delay ({options.requeue_delay}, from {sources[other]})",
         )
-    if queue is not None:
-        _check_queue_entry(task.name, options, queue, queue_options)
-    return options
 
 
 def _check_queue_entry(

@@ -25,7 +25,7 @@ The main process therefore hands the set-up over before the pool starts
   celery-redlock by itself).
 
 The pool process then runs the main process's own set-up again
-(:func:`~celery_redlock.celery.bootsteps.prepare_worker`) and rebuilds the tracers,
+(:func:`~celery_redlock.celery.queues.lock_queues`) and rebuilds the tracers,
 which Celery built before ``worker_process_init`` around the unwrapped task
 bodies. A forked worker never gets here: the main process does not touch the
 environment or ``imports``, and its pool processes pay nothing.
@@ -42,7 +42,7 @@ from typing import Any
 
 from celery import signals
 
-from .queues import registered
+from .queues import lock_queues, registered
 
 __all__ = [
     "ENV_VAR",
@@ -142,10 +142,7 @@ def set_up_pool_process(sender: Any = None, **kwargs: Any) -> None:
     setup = json.loads(payload)
     if setup.get("app") != app.main or registered(app) is not None:
         return
-    # Imported here: bootsteps imports this module for hand_over.
     from celery.app.trace import build_tracer
-
-    from .bootsteps import prepare_worker
 
     try:
         consumed = {
@@ -154,7 +151,7 @@ def set_up_pool_process(sender: Any = None, **kwargs: Any) -> None:
             )
             for name, exchange, kind, routing_key in setup["queues"]
         }
-        prepare_worker(app, setup.get("cli"), consumed, announce=False)
+        lock_queues(app, setup.get("cli"), consumed)
         # Celery built the tracers before worker_process_init, around the
         # unwrapped bodies (build_tracer captures task.run): build them again.
         for name, task in app.tasks.items():

@@ -63,13 +63,6 @@ RESERVE_FROM_POOLS_OF = 100
 _reserved: weakref.WeakKeyDictionary[Any, Reserved] = weakref.WeakKeyDictionary()
 
 
-def _spares_a_connection(pool: Any) -> bool:
-    if isinstance(pool, BlockingConnectionPool):
-        return False
-    max_connections = getattr(pool, "max_connections", None)
-    return isinstance(max_connections, int) and max_connections >= RESERVE_FROM_POOLS_OF
-
-
 def _forget_reserved() -> None:
     # A forked child must not use its parent's sockets; redis-py resets the
     # pools themselves when the child first uses them.
@@ -78,7 +71,11 @@ def _forget_reserved() -> None:
 
 def reserved_for(pool: Any) -> Reserved | None:
     """Return the reservation of ``pool`` in this process; ``None`` if it cannot spare one."""
-    if not _spares_a_connection(pool):
+    # Checked inline, on every script call: this is the hot path.
+    if isinstance(pool, BlockingConnectionPool):
+        return None
+    max_connections = getattr(pool, "max_connections", None)
+    if not isinstance(max_connections, int) or max_connections < RESERVE_FROM_POOLS_OF:
         return None
     reserved = _reserved.get(pool)
     if reserved is None:

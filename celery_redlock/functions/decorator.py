@@ -52,6 +52,7 @@ def _choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
+# long because: its docstring documents each of its twelve options; the logic is short
 def singleton(
     func: F | None = None,
     *,

@@ -42,6 +42,7 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+# long because: one click option per line of the command's signature
 @click.command(name="web", cls=CeleryCommand)
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="Port (0: any).")

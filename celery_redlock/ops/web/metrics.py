@@ -21,7 +21,7 @@ from celery_redlock.celery.prometheus import families
 from celery_redlock.core.inventory import RESERVATION_SUFFIX, lock_pattern, parse_key
 
 from .activity import collect
-from .app import Dashboard
+from .dashboard import Dashboard
 
 __all__ = ["count_keys", "metrics_body"]
 

@@ -22,8 +22,8 @@ from celery_redlock.core.inventory import RESERVATION_SUFFIX, LockInfo
 from celery_redlock.ops.commands import release_checked
 
 from .activity import MINUTES, collect, per_minute
-from .app import dashboard
 from .chart import line_chart
+from .dashboard import dashboard
 from .detail import read_copies, read_detail
 from .listing import Cursor, Filters, read_page
 from .metrics import metrics_body

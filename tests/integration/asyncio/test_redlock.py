@@ -222,7 +222,10 @@ def test_the_largest_fence_is_raised_on_a_majority(redis_servers):
         assert await lock.acquire(blocking=False)
         first = lock.fence
         await lock.release()
-        # Every pair of masters now draws two different fences.
+        # Every pair of masters now draws two different fences. Each counter is
+        # set: a master that ran the first acquire late (a loaded machine) seeded
+        # its own from a later clock reading, anywhere between these.
+        await clients[0].set("{rl}:fence", first)
         await clients[1].set("{rl}:fence", first + 500)
         await clients[2].set("{rl}:fence", first + 1000)
         assert await lock.acquire(blocking=False)
