@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from redis.exceptions import RedisError
@@ -25,16 +24,19 @@ from celery_redlock.core.lock import Lease
 
 from .context import holding
 
-__all__ = ["UNPROTECTED", "Call", "Guard", "Releasing", "run_guarded", "run_unprotected"]
+__all__ = ["UNPROTECTED", "Call", "Guard", "release_failed", "run_guarded", "run_unprotected"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
 class Call:
     """One call under guard: its lock key, the value its lock will carry, and its name in logs.
+
+    A plain class with slots rather than a frozen dataclass: one is built for
+    every task, and a frozen dataclass sets each field through
+    ``object.__setattr__``.
 
     Attributes:
         key: The lock key.
@@ -44,10 +46,16 @@ class Call:
             holder with the same id is the call's own earlier delivery.
     """
 
-    key: str
-    token: str
-    label: str
-    call_id: str | None = None
+    __slots__ = ("call_id", "key", "label", "token")
+
+    def __init__(self, key: str, token: str, label: str, call_id: str | None = None) -> None:
+        self.key = key
+        self.token = token
+        self.label = label
+        self.call_id = call_id
+
+    def __repr__(self) -> str:
+        return f"Call({self.key!r}, label={self.label!r}, call_id={self.call_id!r})"
 
 
 class _Unprotected:
@@ -97,10 +105,13 @@ class Guard(Generic[T]):
 
     def release(self, call: Call, lock: Any, lease: Lease) -> bool:
         """Release the lock after the body; return whether it was still the call's."""
-        outcome = Releasing(lease, self.kind, self.log)
-        with outcome:
+        try:
             lock.release()
-        return outcome.owned
+        except (RedisError, LockError) as error:
+            return release_failed(lease, self.kind, error, self.log)
+        if self.log.isEnabledFor(logging.DEBUG):
+            self.log.debug("%s released", lease.describe())
+        return True
 
 
 def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
@@ -133,38 +144,22 @@ def run_unprotected(guard: Guard[Any], call: Call, exc: RedisError, body: Callab
         guard.ran_unprotected(call)
 
 
-class Releasing:
-    """Wraps a lock's release after its call; ``owned`` says whether it was still the call's.
+def release_failed(
+    lease: Lease, kind: str, error: BaseException, log: logging.Logger = logger
+) -> bool:
+    """Log a release that failed after its call; return whether the lock was still the call's.
 
-    A release that fails never masks the call's outcome: the ``with`` block
-    swallows the failure after logging it, a lock found lost as an ERROR (the
-    call ran part of its time unprotected), a store that could not be reached
-    as a WARNING (the key expires within its TTL).
+    A release that fails never masks the call's outcome: a lock found lost is
+    logged as an ERROR (the call ran part of its time unprotected), a store that
+    could not be reached as a WARNING (the key expires within its TTL).
     """
-
-    def __init__(self, lease: Lease, kind: str, log: logging.Logger = logger) -> None:
-        self.lease = lease
-        self.kind = kind
-        self.log = log
-        self.owned = True
-
-    def __enter__(self) -> Releasing:
-        return self
-
-    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
-        lease = self.lease
-        if isinstance(error, LockNotOwned):
-            self.owned = False
-            self.log.error("%s was lost before the %s finished", lease.describe(), self.kind)
-        elif isinstance(error, (RedisError, LockError)):
-            self.log.warning(
-                "%s: release failed (%s); it expires within %ss",
-                lease.describe(),
-                describe_error(error),
-                lease.ttl,
-            )
-        elif error is None:
-            self.log.debug("%s released", lease.describe())
-        else:
-            return False  # anything else is a bug: let it through
-        return True
+    if isinstance(error, LockNotOwned):
+        log.error("%s was lost before the %s finished", lease.describe(), kind)
+        return False
+    log.warning(
+        "%s: release failed (%s); it expires within %ss",
+        lease.describe(),
+        describe_error(error),
+        lease.ttl,
+    )
+    return True

@@ -13,8 +13,10 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
+from celery_redlock.core.exceptions import LockError
+
 from .context import holding
-from .guarded import UNPROTECTED, Call, Guard, Releasing
+from .guarded import UNPROTECTED, Call, Guard, release_failed
 
 __all__ = ["run_guarded_async"]
 
@@ -43,5 +45,7 @@ async def run_guarded_async(guard: Guard[Any], call: Call, body: Callable[[], Aw
             guard.starting(call, lease)
             return await body()
     finally:
-        with Releasing(lease, guard.kind, guard.log):
+        try:
             await lock.release()
+        except (RedisError, LockError) as error:
+            release_failed(lease, guard.kind, error, guard.log)

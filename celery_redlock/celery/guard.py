@@ -99,6 +99,14 @@ def requeuing() -> bool:
     return _requeuing.get()
 
 
+class TaskCall(Call):
+    """A task's call: also whether it is a copy that met its own task's lock (read once)."""
+
+    __slots__ = ("met_itself",)
+
+    met_itself: bool
+
+
 class TaskGuard(Guard[Any]):
     """Runs the calls of one task under its lock.
 
@@ -149,7 +157,9 @@ class TaskGuard(Guard[Any]):
             queue=self.queue or queue_of(request.delivery_info),
         )
         label = f"task {task.name}[{request.id}]"
-        return Call(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
+        call = TaskCall(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
+        call.met_itself = self._met_itself(request)
+        return call
 
     def new_lock(self, call: Call) -> Lock:
         """Build the lock one run takes (enqueue modes take it differently).
@@ -176,7 +186,8 @@ class TaskGuard(Guard[Any]):
 
     def acquired(self, call: Call, lease: Lease) -> None:
         """Log the acquisition and send ``lock_acquired``."""
-        logger.debug("%s acquired", lease.describe())
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s acquired", lease.describe())
         signals.lock_acquired.send(
             sender=self.task,
             task_id=call.call_id,
@@ -187,8 +198,7 @@ class TaskGuard(Guard[Any]):
 
     def starting(self, call: Call, lease: Lease) -> None:
         """Drop a requeued copy of a call whose earlier delivery finished meanwhile."""
-        request = self.task.request
-        if self._met_itself(request) and self._already_done(request.id):
+        if getattr(call, "met_itself", False) and self._already_done(self.task.request.id):
             logger.info("%s: an earlier delivery already ran it; dropping", call.label)
             raise Ignore()
 

@@ -71,15 +71,15 @@ def _forget_reserved() -> None:
 
 def reserved_for(pool: Any) -> Reserved | None:
     """Return the reservation of ``pool`` in this process; ``None`` if it cannot spare one."""
-    # Checked inline, on every script call: this is the hot path.
+    # Every script call asks: a pool that has its reservation answers first.
+    reserved = _reserved.get(pool)
+    if reserved is not None:
+        return reserved
     if isinstance(pool, BlockingConnectionPool):
         return None
     max_connections = getattr(pool, "max_connections", None)
     if not isinstance(max_connections, int) or max_connections < RESERVE_FROM_POOLS_OF:
         return None
-    reserved = _reserved.get(pool)
-    if reserved is None:
-        # The fork hook comes first, so every reservation has one to forget it.
-        in_forked_children(_forget_reserved)
-        reserved = _reserved.setdefault(pool, Reserved())
-    return reserved
+    # The fork hook comes first, so every reservation has one to forget it.
+    in_forked_children(_forget_reserved)
+    return _reserved.setdefault(pool, Reserved())

@@ -26,7 +26,6 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from redis.exceptions import RedisError
@@ -236,7 +235,6 @@ class _JobRunner(Guard[Any]):
             self.keys.key_for(args, kwargs),
             Holder.new(job_id).encode(),
             f"job {self.name}[{job_id}]",
-            job.id if job is not None else None,
             job,
         )
         return run_guarded(self, call, lambda: self.func(*args, **kwargs))
@@ -318,11 +316,14 @@ class _JobRunner(Guard[Any]):
         return Retry(max=(job.number_of_retries or 0) + 1, interval=max(1, math.ceil(delay)))
 
 
-@dataclass(frozen=True)
 class _JobCall(Call):
     """A job's run: a :class:`Call` that also carries its RQ job."""
 
-    job: Job | None = None
+    __slots__ = ("job",)
+
+    def __init__(self, key: str, token: str, label: str, job: Job | None) -> None:
+        super().__init__(key, token, label, job.id if job is not None else None)
+        self.job = job
 
 
 _MISSING: Any = object()
