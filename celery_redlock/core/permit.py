@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from .exceptions import ConfigurationError
-from .lease import Lease
+from .lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
 from .lua import Script
 from .semaphore_scripts import RENEW_PERMITS
 
@@ -53,8 +53,36 @@ class PermitLease(Lease):
 
     __slots__ = ("_permits_key", "slot")
 
-    def __init__(self, *, slot: int, permits_key: str, **lease: Any) -> None:
-        super().__init__(**lease)
+    def __init__(
+        self,
+        *,
+        slot: int,
+        permits_key: str,
+        client: Any,
+        name: str,
+        token: bytes,
+        fence: int | None,
+        ttl: float | None,
+        sent_at: float,
+        clock: Clock,
+        drift_factor: float = DEFAULT_DRIFT_FACTOR,
+        on_lost: LostCallback | None = None,
+        owner: object | None = None,
+        label: str | None = None,
+    ) -> None:
+        super().__init__(
+            client=client,
+            name=name,
+            token=token,
+            fence=fence,
+            ttl=ttl,
+            sent_at=sent_at,
+            clock=clock,
+            drift_factor=drift_factor,
+            on_lost=on_lost,
+            owner=owner,
+            label=label,
+        )
         self.slot = slot
         self._permits_key = permits_key
 

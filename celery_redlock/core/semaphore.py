@@ -196,8 +196,11 @@ class Semaphore(LockSettings):
         blocking = self.blocking if blocking is None else blocking
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
-        encoded = secrets.token_hex(16).encode() if token is None else self._encode(token)
-        owner = Holder.owner_field(encoded)
+        if token is None:
+            encoded, owner = secrets.token_hex(16).encode(), ""
+        else:
+            encoded = self._encode(token)
+            owner = Holder.owner_field(encoded)
         wait_ms = int((2 * sleep + WAIT_SLACK) * 1000) if blocking else 0
         stop_at = None if blocking_timeout is None else self._clock() + blocking_timeout
         while True:

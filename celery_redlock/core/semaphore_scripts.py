@@ -78,6 +78,7 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 
 
 # Take a permit and draw its fence in one round trip, reclaiming expired permits first.
+# (With no permit held the set does not exist: a new one gets the permit's TTL.)
 #
 # KEYS[1]  permits (sorted set; member "<slot>|<fence>|<token>", score = expiry in ms)
 # KEYS[2]  fence key
@@ -111,7 +112,6 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local queued = redis.call('ZCARD', KEYS[3])
 if queued > 0 then
   local lapsed = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -123,11 +123,16 @@ if queued > 0 then
 end
 local permits = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 local used = {}
+local held = 0
 local first, first_at, own, own_at
 for i = 1, #permits, 2 do
   local member, at = permits[i], tonumber(permits[i + 1])
   local slot, fence, token = string.match(member, '^(%d+)|(%d+)|(.*)$')
-  if slot then
+  if at <= now then
+    -- Expired: its holder stopped renewing it (it died, or lost its way). Reclaimed.
+    redis.call('ZREM', KEYS[1], member)
+  elseif slot then
+    held = held + 1
     used[tonumber(slot)] = true
     if token == ARGV[1] and ARGV[7] == '1' then
       -- This very acquisition ran before and its reply was lost: it is ours.
@@ -146,7 +151,6 @@ for i = 1, #permits, 2 do
     end
   end
 end
-local held = #permits / 2
 local admitted = false
 if own == nil and held < limit then
   if queued == 0 then
@@ -174,7 +178,8 @@ if admitted then
   end
   local member = string.format('%d|%d|', slot, fence) .. ARGV[1]
   redis.call('ZADD', KEYS[1], now + ttl, member)
-  if redis.call('PTTL', KEYS[1]) < ttl then
+  -- The set outlives its longest permit: a name nobody takes again leaves nothing.
+  if held == 0 or redis.call('PTTL', KEYS[1]) < ttl then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
   if queued > 0 then
