@@ -59,8 +59,11 @@ def _closure(name: str) -> set[str]:
         "celery_redlock.functions.decorator",
         "celery_redlock.core.lock",
         "celery_redlock.core.redlock",
+        "celery_redlock.core.semaphore",
+        "celery_redlock.core.admission",
         "celery_redlock.functions.coroutine",
         "celery_redlock.asyncio.redlock",
+        "celery_redlock.asyncio.semaphore",
     ],
 )
 def test_framework_free_modules_never_reach_celery(name):

@@ -187,7 +187,7 @@ def test_operator_view_lists_each_permit_and_frees_one_by_its_token(
 ) -> None:
     """`list` and `show` name every permit holder (task id, worker, pid, fence, TTL);
     `release --permit TOKEN` refuses a live holder unless forced, and then frees that
-    permit only."""
+    permit only; `purge` removes the rest."""
     worker = worker_factory("threads", 4)  # answers pings while its tasks wait
     gate = f"{prefix}:gate:{uuid.uuid4().hex}"
     ids = submit(storm_app, "limits.skip", [("g", 0, gate)] * LIMIT)
@@ -222,6 +222,9 @@ def test_operator_view_lists_each_permit_and_frees_one_by_its_token(
         assert f"released permit 1 of {key} (forced)" in forced.output
         left = json.loads(invoke(storm_app, "list", "--json").output)[0]["permits"]
         assert [p["slot"] for p in left] == [0, 2]
+        purged = invoke(storm_app, "purge", "--task", "limits.skip", "--yes")
+        assert purged.exit_code == 0 and "deleted 1 lock(s)" in purged.output, purged.output
+        assert db9.zcard(semaphore_keys(key).permits) == 0
     finally:
         db9.set(gate, 1)
     settle(storm_app, ids, timeout=30)
