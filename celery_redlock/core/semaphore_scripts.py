@@ -40,6 +40,7 @@ __all__ = [
     "COUNT_PERMITS",
     "LEAVE_WAIT_LIST",
     "RELEASE_PERMIT",
+    "RELEASE_PERMITS_HELD_BY",
     "RENEW_PERMITS",
     "SemaphoreKeys",
     "semaphore_keys",
@@ -306,6 +307,33 @@ return result
 """,
     resend=_renew_again,
     check_connection=True,
+)
+
+# Remove the permits whose holder value holds a fragment; for a worker cleaning up
+# after a pool process it killed, which cannot release its own permit any more
+# (the semaphore's twin of scripts.RELEASE_HELD_BY).
+#
+# KEYS[1]  permits
+# KEYS[2]  waiters by arrival
+# KEYS[3]  wake list
+# ARGV[1]  the holder's fragment of the value (see holder.Holder.fragment)
+# ARGV[2]  lifetime of the wake list in milliseconds
+# Returns  how many permits were removed. Safe to send twice.
+RELEASE_PERMITS_HELD_BY = Script(
+    "release_permits_held_by",
+    """
+local removed = 0
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if string.find(member, ARGV[1], 1, true) then
+    removed = removed + redis.call('ZREM', KEYS[1], member)
+  end
+end
+if removed > 0 and redis.call('ZCARD', KEYS[2]) > 0 then
+  redis.call('RPUSH', KEYS[3], '1')
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
+return removed
+""",
 )
 
 # Leave the wait list: a blocking acquire that gave up.

@@ -43,6 +43,7 @@ from .permit import check_limit
 from .redlock import Redlock
 from .scripts import RELEASE_HELD_BY
 from .semaphore import Semaphore
+from .semaphore_scripts import RELEASE_PERMITS_HELD_BY, semaphore_keys
 from .store_setting import (
     CLUSTER_SCHEMES,
     DEFAULT_PORTS,
@@ -157,15 +158,23 @@ class LockStore:
             return [node.redis_connection for node in client.get_primaries()]
         return [client]
 
-    def release_held_by(self, name: str, fragment: str) -> int:
+    def release_held_by(self, name: str, fragment: str, *, limit: int = 1) -> int:
         """Delete lock ``name`` where its value holds ``fragment``; return how many masters did.
 
         Used to free the lock of a holder known dead (see ``hooks.py``). On
-        Redlock every master is asked; one that fails is left to the TTL.
+        Redlock every master is asked; one that fails is left to the TTL. With
+        ``limit`` above 1 ``name`` is a semaphore: the permits naming the
+        holder are removed, and their count returned.
 
         Raises:
             redis.exceptions.RedisError: When no master could be asked.
         """
+        if limit > 1 and self.spec.topology != "redlock":
+            keys = semaphore_keys(name)
+            args = (fragment, 60_000)
+            return int(
+                RELEASE_PERMITS_HELD_BY(self.client, (keys.permits, keys.waiters, keys.wake), args)
+            )
         clients = self.client if self.spec.topology == "redlock" else [self.client]
         released, errors = 0, []
         for client in clients:

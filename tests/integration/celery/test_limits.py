@@ -178,6 +178,32 @@ def test_sigkill_of_a_permit_holder_frees_its_slot_and_loses_nothing(
     assert len(starts) == 2, starts  # killed once, ran once more: never skipped
 
 
+@pytest.mark.timeout(60)
+def test_revoke_with_sigkill_frees_the_killed_holders_permit_from_the_main_process(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """A pool process killed by revoke(signal=SIGKILL) cannot give its permit back; its
+    worker removes exactly that permit, and the other holders keep theirs."""
+    worker = worker_factory("prefork", 3)
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    ids = submit(storm_app, "limits.skip", [("g", 0, gate)] * 2)
+    wait_until(lambda: len(started(db9, prefix)) == 2, 30, message="two holders")
+    victim, survivor = started(db9, prefix)
+    key = victim["key"]
+    storm_app.control.revoke(victim["task_id"], terminate=True, signal="SIGKILL")
+    wait_until(
+        lambda: permit_of(db9, key, victim["task_id"]) is None,
+        30,
+        message="the killed holder's permit to be removed",
+    )
+    log = f"task limits.skip[{victim['task_id']}] was killed; released its lock {key}"
+    wait_until(lambda: log in worker.log(), 10, message="the worker's release")
+    assert permit_of(db9, key, survivor["task_id"]) is not None
+    db9.set(gate, 1)
+    assert settle(storm_app, [survivor["task_id"]], timeout=30)[survivor["task_id"]][0] == "SUCCESS"
+    assert sorted(ids) == sorted([victim["task_id"], survivor["task_id"]])
+
+
 @pytest.mark.timeout(90)
 def test_operator_view_lists_each_permit_and_frees_one_by_its_token(
     storm_app: Celery,
