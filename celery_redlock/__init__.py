@@ -1,7 +1,7 @@
 """celery-redlock: Redis locks that stop Celery tasks from running twice at once.
 
-The lock core (:class:`Lock`, :class:`Redlock`, :class:`Lease`, :class:`Watchdog`) does not use
-Celery and serves any Python program; :class:`SingletonTask` and
+The lock core (:class:`Lock`, :class:`Redlock`, :class:`Semaphore`, :class:`Lease`,
+:class:`Watchdog`) does not use Celery and serves any Python program; :class:`SingletonTask` and
 :func:`current_lock` are the Celery integration. :func:`singleton` locks any function,
 ``celery_redlock.rq`` RQ jobs, and ``celery_redlock.asyncio`` has the lock for asyncio.
 
@@ -37,9 +37,11 @@ if TYPE_CHECKING:
     from .core.lease import Lease
     from .core.lock import Lock
     from .core.lock_options import fence_key_for
+    from .core.permit import PermitLease
     from .core.redlock import Redlock
     from .core.redlock_lease import RedlockLease
     from .core.renewal import Watchdog, default_watchdog
+    from .core.semaphore import Semaphore
     from .functions.decorator import singleton
 
 __all__ = [
@@ -53,10 +55,12 @@ __all__ = [
     "LockKeyError",
     "LockNotAcquired",
     "LockNotOwned",
+    "PermitLease",
     "QuorumNotAchieved",
     "Redlock",
     "RedlockError",
     "RedlockLease",
+    "Semaphore",
     "SingletonTask",
     "Watchdog",
     "__version__",
@@ -81,6 +85,8 @@ _HOMES = {
     "fence_key_for": "core.lock_options",
     "Redlock": "core.redlock",
     "RedlockLease": "core.redlock_lease",
+    "Semaphore": "core.semaphore",
+    "PermitLease": "core.permit",
     "Watchdog": "core.renewal",
     "default_watchdog": "core.renewal",
     **dict.fromkeys(

@@ -661,6 +661,45 @@ class History:
                     f"{before.fence} of {before.task_id}, which ran before it"
                 )
 
+    def assert_at_most_per_key(self, limit: int) -> None:
+        """Fail unless, per key, at most ``limit`` executions ran at once, by counter and clock.
+
+        The counter is Redis's count of executions inside when each started;
+        the clock check sweeps the recorded intervals (an end and a start at
+        the same instant do not overlap).
+        """
+        for key, group in self.by_key().items():
+            crowded = [(e.task_id, e.holders) for e in group if e.holders > limit]
+            assert not crowded, f"{key}: executions that found more than {limit} inside: {crowded}"
+            events = sorted([(e.start, 1) for e in group] + [(e.end, -1) for e in group])
+            inside = most = 0
+            for _, step in events:
+                inside += step
+                most = max(most, inside)
+            assert most <= limit, f"{key}: {most} executions overlapped, limit {limit}"
+            assert self.running(key) == 0, f"{key}: counter left at {self.running(key)}"
+
+    def assert_fences_rise_per_slot(self) -> None:
+        """Fail unless, per key, fences are distinct and, per permit slot (``extra["slot"]``),
+        strictly increase in start order.
+
+        A slot has one holder at a time, as a lock does. Across slots no order
+        is promised: fences are drawn when a permit is taken, and a holder may
+        start its body later than one that took a permit after it.
+        """
+        for key, group in self.by_key().items():
+            fences = [e.fence for e in group]
+            assert len(set(fences)) == len(fences), f"{key}: a fence was handed out twice"
+            slots: dict[Any, list[Execution]] = defaultdict(list)
+            for execution in group:
+                slots[execution.extra.get("slot")].append(execution)
+            for slot, held in slots.items():
+                for before, after in zip(held, held[1:]):
+                    assert before.end <= after.start and before.fence < after.fence, (
+                        f"{key} slot {slot}: {after.task_id} (fence {after.fence}) followed "
+                        f"{before.task_id} (fence {before.fence}) out of order or overlapping"
+                    )
+
     def overlapping_pairs(self) -> list[tuple[Execution, Execution]]:
         """Pairs of executions of *different* keys whose intervals overlap."""
         ordered = sorted(self.executions(), key=lambda e: e.start)

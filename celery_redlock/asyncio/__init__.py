@@ -1,4 +1,4 @@
-"""celery-redlock for asyncio: :class:`Lock` and :class:`Redlock` for ``redis.asyncio`` clients.
+"""celery-redlock for asyncio: :class:`Lock`, :class:`Redlock`, :class:`Semaphore` (redis.asyncio).
 
 :func:`drain` waits for round trips a Redlock left running in the background.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .lock import Lock
 from .redlock import Redlock
+from .semaphore import Semaphore
 from .shielding import drain
 
-__all__ = ["Lock", "Redlock", "drain"]
+__all__ = ["Lock", "Redlock", "Semaphore", "drain"]

@@ -1,8 +1,9 @@
 """Auto-renewal of an asyncio lease: one task per lease on the lock's event loop.
 
 The task sleeps a third of the TTL, renews the lease to its full TTL with the
-``RENEW`` script, and repeats until the lease is released, lost, or its lock
-object garbage-collected. As with the thread watchdog, a renewal that fails on a
+lease's ``renew_script`` (``RENEW``; ``RENEW_PERMITS`` for a semaphore permit),
+and repeats until the lease is released, lost, or its lock object
+garbage-collected. As with the thread watchdog, a renewal that fails on a
 connection error or a timeout is retried until the lease's validity deadline
 and only then given up as lost; a lease the server no longer holds for us is
 lost at once. Either way ``Lease.lost`` turns true, ``on_lost`` is called and an
@@ -21,7 +22,6 @@ from redis.exceptions import RedisError
 
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.lease import Lease
-from celery_redlock.core.scripts import RENEW
 
 from .scripts import run_script
 
@@ -45,7 +45,10 @@ def renew_on(client: Any) -> Renewer:
     """The renewer of leases on one server, through ``client``."""
 
     async def renew(lease: Lease, ms: int) -> int:
-        (pttl_ms,) = await run_script(RENEW, client, (lease.name,), ("1", lease.token, ms))
+        # A lock's lease renews with RENEW, a semaphore permit's with its own script.
+        (pttl_ms,) = await run_script(
+            lease.renew_script, client, (lease.renew_key,), ("1", lease.token, ms)
+        )
         return int(pttl_ms)
 
     return renew

@@ -24,12 +24,14 @@ __all__ = ["PerTaskLock", "TaskState"]
 class TaskState:
     """What one task knows about its hold of one lock."""
 
-    __slots__ = ("attempts", "failure", "holder", "lease", "renewal", "token", "tried")
+    __slots__ = ("attempts", "failure", "holder", "lease", "refusal", "renewal", "token", "tried")
 
     def __init__(self) -> None:
         self.token: bytes | None = None
         self.lease: Lease | None = None
         self.holder: tuple[str | None, float | None] | None = None
+        # A refusal a subclass reports in full (a semaphore's: how full, how many wait).
+        self.refusal: Refusal | None = None
         # Why the latest attempt failed, when a subclass knows more than the holder.
         self.failure: LockError | None = None
         self.renewal: asyncio.Task[None] | None = None
@@ -85,7 +87,8 @@ class PerTaskLock(LockSettings):
         Read it after :meth:`acquire` returned ``False``; after a successful
         acquire it says nothing (both fields ``None``).
         """
-        return Refusal.of(self._state().holder)
+        state = self._state()
+        return state.refusal or Refusal.of(state.holder)
 
     @property
     def local(self) -> TaskState:

@@ -19,6 +19,7 @@ from typing import Any
 
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeySpec
+from celery_redlock.core.permit import check_limit
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -129,6 +130,10 @@ def _count(setting: str, value: Any) -> int:
     return value
 
 
+def _limit(setting: str, value: Any) -> int:
+    return check_limit(setting, value)
+
+
 def _key_spec(setting: str, value: Any) -> KeySpec:
     if value is None or callable(value) or isinstance(value, str):
         return value  # type: ignore[no-any-return]
@@ -170,6 +175,9 @@ class LockOptions:
         mode: When the lock is held: a :class:`Mode`.
         on_duplicate: :class:`OnDuplicate` (enqueue modes only).
         enqueue_ttl: Seconds an enqueue lock lasts beyond the call's countdown/eta.
+        limit: Most calls with the same key running at once: 1 is a lock, more
+            a semaphore of that many permits (``while_executing`` only; see
+            docs/limits.md).
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -184,6 +192,7 @@ class LockOptions:
     mode: Mode = _option(Mode.WHILE_EXECUTING, _choice(Mode))
     on_duplicate: OnDuplicate = _option(OnDuplicate.RETURN_EXISTING, _choice(OnDuplicate))
     enqueue_ttl: float = _option(600.0, _seconds)
+    limit: int = _option(1, _limit)
 
 
 @dataclass(frozen=True)

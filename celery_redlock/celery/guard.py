@@ -32,11 +32,12 @@ from celery_redlock.calls.decisions import (
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import LockOptions
+from celery_redlock.core.admission import AdmissionLock
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
-from celery_redlock.core.lock import Lease, Lock
+from celery_redlock.core.lock import Lease
 from celery_redlock.core.store import LockStore
 
 from . import signals
@@ -161,14 +162,16 @@ class TaskGuard(Guard[Any]):
         call.met_itself = self._met_itself(request)
         return call
 
-    def new_lock(self, call: Call) -> Lock:
-        """Build the lock one run takes (enqueue modes take it differently).
+    def new_lock(self, call: Call) -> AdmissionLock:
+        """Build the lock one run takes: a lock, or a semaphore permit under ``lock_limit``.
+
+        Enqueue modes take theirs differently (and refuse a limit).
 
         Raises:
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(call.key, **self._lock_options(call))
+        return self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
 
     def _lock_options(self, call: Call) -> dict[str, Any]:
         """The options of every run's lock, whichever class takes it."""

@@ -4,9 +4,10 @@
 a task, so the task cannot release its lock; without help the lock would
 outlive it by up to ``lock_ttl``. The main process knows which task and worker
 the killed process ran, and the lock's value names both, so it deletes the
-lock if, and only if, it still names them. (With the default SIGTERM the task
-unwinds and releases the lock itself, and its cleanup code may still be
-running: nothing is deleted from outside then.)
+lock if, and only if, it still names them (under ``lock_limit``, the permit
+that names them). (With the default SIGTERM the task unwinds and releases the
+lock itself, and its cleanup code may still be running: nothing is deleted
+from outside then.)
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def _release_killed(
     guard = guard_for(task, queue, locks.locked[queue] if locks and queue else None)
     try:
         key = guard.keys.key_for(request.args or (), request.kwargs or {})
-        released = guard.store.release_held_by(key, Holder.fragment(request.id, request.hostname))
+        fragment = Holder.fragment(request.id, request.hostname)
+        released = guard.store.release_held_by(key, fragment, limit=guard.options.limit)
     except Exception as exc:  # a handler must not take the worker down
         level = logging.WARNING if isinstance(exc, RedisError) else logging.ERROR
         logger.log(

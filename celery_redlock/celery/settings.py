@@ -21,6 +21,7 @@ __all__ = [
     "GUARDED_ATTRIBUTE",
     "PUBLISH_SIDE",
     "SETTINGS",
+    "check_limit_store",
     "check_mode_store",
     "check_settings",
     "flag",
@@ -125,6 +126,20 @@ def resolve(
         sources[name] = source
         if value is None:
             unset.add(name)
+    _check_mode(task, values, sources)
+    if "on_conflict" in unset and values["mode"] is Mode.UNTIL_AND_WHILE_EXECUTING:
+        # The one waiting copy usually reaches a free worker while the last
+        # one runs; skipping it would drop the call every duplicate folded into.
+        values["on_conflict"] = OnConflict.REQUEUE
+    options = LockOptions(**values)
+    _check_requeue_delays(options, sources, unset)
+    if queue is not None:
+        _check_queue_entry(task.name, options, queue, queue_options)
+    return options
+
+
+def _check_mode(task: Any, values: dict[str, Any], sources: dict[str, str]) -> None:
+    """Settle the lock window a task can have, and refuse a limit it cannot take."""
     if values["mode"] is not Mode.WHILE_EXECUTING and not getattr(task, GUARDED_ATTRIBUTE, False):
         # A plain task locked by its queue never passes through
         # SingletonTask.apply_async, so it cannot take an enqueue lock: an
@@ -136,15 +151,15 @@ def resolve(
                 "needs base=SingletonTask: a plain task can only lock while_executing",
             )
         values["mode"] = Mode.WHILE_EXECUTING
-    if "on_conflict" in unset and values["mode"] is Mode.UNTIL_AND_WHILE_EXECUTING:
-        # The one waiting copy usually reaches a free worker while the last
-        # one runs; skipping it would drop the call every duplicate folded into.
-        values["on_conflict"] = OnConflict.REQUEUE
-    options = LockOptions(**values)
-    _check_requeue_delays(options, sources, unset)
-    if queue is not None:
-        _check_queue_entry(task.name, options, queue, queue_options)
-    return options
+    if values["limit"] > 1 and values["mode"] is not Mode.WHILE_EXECUTING:
+        # An enqueue window keeps one copy of a call queued and hands its
+        # reservation over to one execution lock: N holders have no meaning there.
+        raise ConfigurationError(
+            sources["limit"],
+            values["limit"],
+            f"works only with lock_mode='while_executing'; {task.name} has "
+            f"{values['mode']} (from {sources['mode']})",
+        )
 
 
 def _check_requeue_delays(options: LockOptions, sources: dict[str, str], unset: set[str]) -> None:
@@ -267,7 +282,12 @@ def check_settings(conf: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     queues = parse_queues(conf.get("redlock_queues"))
     for name, options in queues.items():
         resolve(_QueueEntry(name), conf, name, options)
-    check_mode_store("redlock_mode", resolve(_QueueEntry("*"), conf), conf)
+    app_wide = resolve(_QueueEntry("*"), conf)
+    check_mode_store("redlock_mode", app_wide, conf)
+    check_limit_store("redlock_limit", app_wide, conf)
+    for name, options in queues.items():
+        limit_from = f"redlock_queues[{name!r}].limit" if "limit" in options else "redlock_limit"
+        check_limit_store(limit_from, resolve(_QueueEntry(name), conf, name, options), conf)
     return queues
 
 
@@ -301,6 +321,24 @@ def check_mode_store(setting: str, options: LockOptions, conf: Mapping[str, Any]
             options.mode,
             "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
             "several masters (Redlock), where only 'while_executing' is supported",
+        )
+
+
+def check_limit_store(setting: str, options: LockOptions, conf: Mapping[str, Any]) -> None:
+    """Refuse a limit above 1 on a Redlock store (a list of masters).
+
+    The semaphore is one sorted set on one server; a quorum version over
+    independent masters is not built.
+
+    Raises:
+        ConfigurationError: Naming ``setting`` (where the limit came from).
+    """
+    if options.limit > 1 and parse_store(conf).topology == "redlock":
+        raise ConfigurationError(
+            setting,
+            options.limit,
+            "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
+            "several masters (Redlock), where a semaphore has no quorum version",
         )
 
 

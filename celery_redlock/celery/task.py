@@ -17,6 +17,7 @@ from .install import connect_worker
 from .queues import locked_queue
 from .result import SingletonResult
 from .settings import (
+    check_limit_store,
     check_mode_store,
     lock_url,
     resolve,
@@ -50,6 +51,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_on_duplicate: In an enqueue mode, what ``apply_async`` does when a
             copy is already enqueued: ``"return_existing"`` or ``"raise"``.
         lock_enqueue_ttl: Seconds an enqueue lock lasts beyond the countdown/eta.
+        lock_limit: Most calls with the same key running at once (default 1);
+            above 1 each call takes one permit of a semaphore, and the call
+            beyond the limit meets ``lock_on_conflict`` (see docs/limits.md).
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -64,6 +68,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_mode: ClassVar[str | None] = None
     lock_on_duplicate: ClassVar[str | None] = None
     lock_enqueue_ttl: ClassVar[float | None] = None
+    lock_limit: ClassVar[int | None] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True
@@ -98,6 +103,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_url(conf)
         mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"
         check_mode_store(mode_from, options, conf)
+        limit_from = f"{cls.name}.lock_limit" if cls.lock_limit is not None else "redlock_limit"
+        check_limit_store(limit_from, options, conf)
         KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

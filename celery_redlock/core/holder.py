@@ -141,6 +141,21 @@ class Holder:
         return _SEPARATOR.join(_escape(field) for field in fields)
 
     @staticmethod
+    def owner_field(value: str | bytes) -> str:
+        """Return the task id field of a value this package wrote, as stored (escaped).
+
+        ``""`` for a value of another format. A semaphore compares it with the
+        same field of its permits' values, so that a task never holds two
+        permits at once (see :mod:`celery_redlock.core.semaphore_scripts`).
+        """
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        fields = value.split(_SEPARATOR, 3)
+        if len(fields) == 4 and fields[0] in (_FORMAT, _OLD_FORMAT):
+            return fields[2]
+        return ""
+
+    @staticmethod
     def fragment(task_id: str, hostname: str) -> str:
         """Return the part of every value written for ``task_id`` on worker ``hostname``."""
         return f"{_SEPARATOR}{_escape(task_id)}{_SEPARATOR}{_escape(hostname)}{_SEPARATOR}"
@@ -183,14 +198,24 @@ class Holder:
 class Refusal:
     """Who held a key when an acquire was refused, as the store reported it.
 
+    For a semaphore the holder reported is the permit that frees first (or the
+    one held by the refused caller's own task, which refuses it whatever the
+    count), and ``held``, ``limit`` and ``waiting`` say how full it was.
+
     Attributes:
         value: The holder's lock value, or ``None`` when the store did not say
             (``SET NX`` without fencing, a Redlock without a majority view).
         ttl: Seconds the holder's lock had left, or ``None`` (unknown, or no expiry).
+        held: Permits held (semaphores only).
+        limit: Permits the semaphore has (semaphores only).
+        waiting: Callers on the semaphore's wait list (semaphores only).
     """
 
     value: str | None = None
     ttl: float | None = None
+    held: int | None = None
+    limit: int | None = None
+    waiting: int | None = None
 
     @classmethod
     def of(cls, reported: tuple[str | None, float | None] | None) -> Refusal:
@@ -209,8 +234,18 @@ class Refusal:
         return holder.task_id if holder is not None else self.value
 
     def describe(self, kind: str = "task") -> str:
-        """Say who holds the key, e.g. ``task 1f3c (on celery@a, pid 12)``, for log lines."""
+        """Say who holds the key, e.g. ``task 1f3c (on celery@a, pid 12)``, for log lines.
+
+        For a semaphore: ``task 1f3c (on celery@a, pid 12), one of 3/3 permit holders,``.
+        """
         holder = self.holder
         if holder is not None:
-            return f"{kind} {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
-        return self.value or "another holder"
+            who = f"{kind} {holder.task_id} (on {holder.hostname}, pid {holder.pid})"
+        else:
+            who = self.value or "another holder"
+        if self.limit is None:
+            return who
+        queue = f" and {self.waiting} waiting" if self.waiting else ""
+        if self.value is None:
+            return f"{self.held}/{self.limit} permit holders{queue}"
+        return f"{who}, one of {self.held}/{self.limit} permit holders{queue},"

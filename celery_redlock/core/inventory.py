@@ -4,7 +4,9 @@ Nothing here runs on a task's path; it serves the ``celery redlock`` commands
 and the stale-lock recovery at worker start. Keys are found with ``SCAN``
 (never ``KEYS``, which blocks the server) on every primary of a Redis Cluster,
 and each batch of found keys is read in one pipelined round trip: the value,
-its PTTL and the fence counter, stamped with the server's clock.
+its PTTL and the fence counter, stamped with the server's clock. Semaphores
+(``lock_limit`` above 1) are read only when asked for: their permits set, with
+one :class:`PermitInfo` per live permit.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import Any
 from .holder import Holder
 from .keys import KEY_VERSION
 from .lock_options import fence_key_for
+from .semaphore_scripts import semaphore_keys
 
 __all__ = [
+    "PERMITS_SUFFIX",
     "RESERVATION_SUFFIX",
     "LockInfo",
+    "PermitInfo",
     "clients_of",
     "find_locks",
     "glob_escape",
@@ -29,6 +34,7 @@ __all__ = [
     "parse_key",
     "read_locks",
     "scan",
+    "semaphore_key",
 ]
 
 #: Keys fetched per pipelined read.
@@ -38,10 +44,12 @@ SCAN_COUNT = 1000
 
 #: Suffix of an enqueue reservation's key (``reservation_key`` in celery/window.py).
 RESERVATION_SUFFIX = ":queued"
+#: Suffix of a semaphore's permits set (see :mod:`celery_redlock.core.semaphore_scripts`).
+PERMITS_SUFFIX = ":permits"
 
 _KEY = re.compile(
     rf"^(?P<prefix>.+):{KEY_VERSION}:\{{(?P<task>.+):(?P<digest>[0-9a-f]{{64}})\}}"
-    rf"(?P<reserved>{RESERVATION_SUFFIX})?$",
+    rf"(?:(?P<reserved>{RESERVATION_SUFFIX})|(?P<permits>{PERMITS_SUFFIX}))?$",
     re.S,
 )
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
@@ -58,14 +66,19 @@ def lock_pattern(prefix: str, task: str | None = None) -> str:
     return f"{glob_escape(prefix)}:{KEY_VERSION}:{{{name}:*"
 
 
-def parse_key(key: str, *, reservations: bool = False) -> tuple[str, str] | None:
+def parse_key(
+    key: str, *, reservations: bool = False, semaphores: bool = False
+) -> tuple[str, str] | None:
     """Return ``(prefix, task name)`` of a task lock key, ``None`` for any other key.
 
     With ``reservations``, the key of an enqueue reservation (the lock key
-    plus :data:`RESERVATION_SUFFIX`) is read too.
+    plus :data:`RESERVATION_SUFFIX`) is read too; with ``semaphores``, the
+    permits set of a semaphore (the lock key plus :data:`PERMITS_SUFFIX`).
     """
     match = _KEY.match(key)
-    if match is None or (match["reserved"] and not reservations):
+    if match is None:
+        return None
+    if (match["reserved"] and not reservations) or (match["permits"] and not semaphores):
         return None
     return match["prefix"], match["task"]
 
@@ -98,6 +111,52 @@ def scan(client: Any, pattern: str, count: int = SCAN_COUNT) -> Iterator[str]:
 
 
 @dataclass(frozen=True)
+class PermitInfo:
+    """One live permit of a semaphore, as read from its permits set.
+
+    Attributes:
+        member: The permit's member in the set (what a release removes).
+        slot: Which of the semaphore's permits it is.
+        fence: Its fencing token.
+        token: The holder's token (the holder value, for a task).
+        holder: The holder the token names (``None`` for a token of another format).
+        ttl: Seconds the permit has left.
+    """
+
+    member: str
+    slot: int
+    fence: int
+    token: str
+    holder: Holder | None
+    ttl: float
+
+    @classmethod
+    def parse(cls, member: str, expiry_ms: float, now: float) -> PermitInfo | None:
+        """Read a member and its score; ``None`` for one this package did not write."""
+        slot, _, rest = member.partition("|")
+        fence, _, token = rest.partition("|")
+        if not (slot.isdigit() and fence.isdigit()):
+            return None
+        ttl = max(0.0, expiry_ms / 1000 - now)
+        return cls(member, int(slot), int(fence), token, Holder.parse(token), ttl)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The permit as plain JSON-ready data."""
+        return {
+            "slot": self.slot,
+            "fence": self.fence,
+            "token": self.holder.token if self.holder is not None else self.token,
+            "holder": asdict(self.holder) if self.holder is not None else None,
+            "acquired_at": (
+                self.holder.acquired_ms / 1000
+                if self.holder is not None and self.holder.acquired_ms
+                else None
+            ),
+            "ttl": self.ttl,
+        }
+
+
+@dataclass(frozen=True)
 class LockInfo:
     """One task lock as read from the store.
 
@@ -109,6 +168,9 @@ class LockInfo:
         ttl: Seconds the lock has left (``None``: no expiry).
         fence: The key's fence counter: the fence of the latest acquisition.
         server_time: The server's clock when the lock was read, Unix seconds.
+        permits: For a semaphore, its live permits by slot (``key`` is then
+            the semaphore's name, ``value`` empty, ``holder`` ``None`` and
+            ``ttl`` the longest a permit has left); ``None`` for a lock.
     """
 
     key: str
@@ -118,10 +180,13 @@ class LockInfo:
     ttl: float | None
     fence: int | None
     server_time: float
+    permits: tuple[PermitInfo, ...] | None = None
 
     @property
     def kind(self) -> str:
-        """``"reservation"`` for an enqueue reservation's key, else ``"lock"``."""
+        """``"reservation"`` (an enqueue reservation), ``"semaphore"`` or ``"lock"``."""
+        if self.permits is not None:
+            return "semaphore"
         return "reservation" if self.key.endswith("}" + RESERVATION_SUFFIX) else "lock"
 
     @property
@@ -181,6 +246,11 @@ class LockInfo:
             "renewed_at": self.renewed_at,
             "fence": self.fence,
             "value": self.value,
+            **(
+                {"kind": "semaphore", "permits": [p.as_dict() for p in self.permits]}
+                if self.permits is not None
+                else {}
+            ),
         }
 
 
@@ -201,29 +271,45 @@ def _server_time(client: Any) -> float:
         return time.time()
 
 
-def read_locks(client: Any, keys: Sequence[str], *, reservations: bool = False) -> list[LockInfo]:
+def read_locks(
+    client: Any, keys: Sequence[str], *, reservations: bool = False, semaphores: bool = False
+) -> list[LockInfo]:
     """Read ``keys`` in one pipelined round trip; keys gone meanwhile are left out.
 
     Enqueue reservations are read only with ``reservations``; their fence is
-    the one of the lock they reserve.
+    the one of the lock they reserve. Semaphores' permits sets (the keys
+    :data:`PERMITS_SUFFIX` ends) only with ``semaphores``.
     """
     if not keys:
         return []
     pipe = client.pipeline(transaction=False)
     for key in keys:
-        pipe.get(key)
-        pipe.pttl(key)
-        pipe.get(fence_key_for(key.removesuffix(RESERVATION_SUFFIX)))
+        if key.endswith("}" + PERMITS_SUFFIX):
+            pipe.zrange(key, 0, -1, withscores=True)
+            pipe.pttl(key)
+            pipe.get(fence_key_for(key.removesuffix(PERMITS_SUFFIX)))
+        else:
+            pipe.get(key)
+            pipe.pttl(key)
+            pipe.get(fence_key_for(key.removesuffix(RESERVATION_SUFFIX)))
     replies = pipe.execute()
     now = _server_time(client)
     found: list[LockInfo] = []
     for i, key in enumerate(keys):
         raw, pttl_ms, fence = replies[3 * i : 3 * i + 3]
-        value = _decode(raw)
-        parsed = parse_key(key, reservations=reservations)
-        if value is None or parsed is None:
+        parsed = parse_key(key, reservations=reservations, semaphores=semaphores)
+        if parsed is None:
             continue
         fence_text = _decode(fence)
+        counter = int(fence_text) if fence_text and fence_text.isdigit() else None
+        if isinstance(raw, list):
+            info = _semaphore_info(key, parsed[1], raw, counter, now)
+            if info is not None:
+                found.append(info)
+            continue
+        value = _decode(raw)
+        if value is None:
+            continue
         found.append(
             LockInfo(
                 key=key,
@@ -231,35 +317,72 @@ def read_locks(client: Any, keys: Sequence[str], *, reservations: bool = False) 
                 value=value,
                 holder=Holder.parse(value),
                 ttl=pttl_ms / 1000 if pttl_ms is not None and pttl_ms >= 0 else None,
-                fence=int(fence_text) if fence_text and fence_text.isdigit() else None,
+                fence=counter,
                 server_time=now,
             )
         )
     return found
 
 
+def _semaphore_info(
+    key: str, task: str, members: list[Any], fence: int | None, now: float
+) -> LockInfo | None:
+    """The semaphore whose permits set ``key`` held ``members``; ``None`` if none is live."""
+    permits = []
+    for member, expiry_ms in members:
+        text = _decode(member) or ""
+        permit = PermitInfo.parse(text, float(expiry_ms), now) if expiry_ms / 1000 > now else None
+        if permit is not None:
+            permits.append(permit)
+    if not permits:
+        return None
+    return LockInfo(
+        key=key.removesuffix(PERMITS_SUFFIX),
+        task=task,
+        value="",
+        holder=None,
+        ttl=max(permit.ttl for permit in permits),
+        fence=fence,
+        server_time=now,
+        permits=tuple(sorted(permits, key=lambda permit: permit.slot)),
+    )
+
+
+def semaphore_key(name: str) -> str:
+    """The permits set of the semaphore ``name`` (what :func:`read_locks` reads for it)."""
+    return semaphore_keys(name).permits
+
+
 def find_locks(
-    client: Any, prefixes: Iterable[str], task: str | None = None, queue: str | None = None
+    client: Any,
+    prefixes: Iterable[str],
+    task: str | None = None,
+    queue: str | None = None,
+    *,
+    semaphores: bool = False,
 ) -> Iterator[LockInfo]:
     """Yield the task locks under ``prefixes`` (of one task, one queue, if given).
 
     Fence keys and other keys sharing a prefix are skipped. A lock whose
-    value does not record its queue never matches a ``queue`` filter.
+    value does not record its queue never matches a ``queue`` filter; a
+    semaphore matches when one of its permits' holders came from ``queue``.
+    Semaphores are found only with ``semaphores``.
     """
     for prefix in dict.fromkeys(prefixes):
         batch: list[str] = []
         for key in scan(client, lock_pattern(prefix, task)):
-            parsed = parse_key(key)
+            parsed = parse_key(key, semaphores=semaphores)
             if parsed is None or parsed[0] != prefix or (task is not None and parsed[1] != task):
                 continue
             batch.append(key)
             if len(batch) >= READ_BATCH:
-                yield from _matching(read_locks(client, batch), queue)
+                yield from _matching(read_locks(client, batch, semaphores=semaphores), queue)
                 batch = []
-        yield from _matching(read_locks(client, batch), queue)
+        yield from _matching(read_locks(client, batch, semaphores=semaphores), queue)
 
 
 def _matching(locks: Iterable[LockInfo], queue: str | None) -> Iterator[LockInfo]:
     for info in locks:
-        if queue is None or (info.holder is not None and info.holder.queue == queue):
+        holders = [p.holder for p in info.permits] if info.permits is not None else [info.holder]
+        if queue is None or any(h is not None and h.queue == queue for h in holders):
             yield info

@@ -12,6 +12,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from .lua import Script
+from .scripts import RENEW
+
 __all__ = ["DEFAULT_DRIFT_FACTOR", "DRIFT_FLOOR", "Clock", "Lease", "LostCallback"]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,10 @@ class Lease:
     #: batching it with the other leases of its connection pool. Leases that span
     #: several servers (Redlock) set it.
     renews_itself: ClassVar[bool] = False
+    #: The script the watchdog renews leases of this class with, in batches:
+    #: KEYS are their :attr:`renew_key`, ARGV as for
+    #: :data:`~celery_redlock.core.scripts.RENEW` (which a lock's lease uses).
+    renew_script: ClassVar[Script] = RENEW
 
     __slots__ = (
         "__weakref__",
@@ -113,6 +120,11 @@ class Lease:
     def deadline_for(self, sent_at: float, ttl: float) -> float:
         """Return the validity deadline of ``ttl`` seconds granted to a request sent then."""
         return sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+
+    @property
+    def renew_key(self) -> str:
+        """The key :attr:`renew_script` renews this lease at: the lock's own key."""
+        return self.name
 
     def renew(self) -> None:
         """Renew the lease to its full TTL on its own (only when :attr:`renews_itself`).

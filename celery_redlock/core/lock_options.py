@@ -19,6 +19,7 @@ __all__ = [
     "Number",
     "check_options",
     "fence_key_for",
+    "key_beside",
     "positive_seconds",
 ]
 
@@ -40,17 +41,26 @@ def fence_key_for(name: str | bytes) -> str | bytes:
     if isinstance(name, bytes):
         # latin-1 maps every byte to one character and back, braces included.
         return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
+    return key_beside(name, "fence")
+
+
+def key_beside(name: str, suffix: str) -> str:
+    """Return the key ``<name>:<suffix>`` in the Redis Cluster hash slot of the key ``name``.
+
+    A name with a hash tag keeps it; any other name becomes the tag of the new
+    key (``{name}:suffix``), which hashes to the same slot as the name itself.
+    """
     # Redis Cluster hashes only the tag when the first "{" is followed by a
     # "}" with something in between; "{}" anywhere first means the whole key.
     start = name.find("{")
     end = name.find("}", start + 1) if start != -1 else -1
     if end > start + 1:
-        return f"{name}:fence"
+        return f"{name}:{suffix}"
     if "}" in name:
         # "{name}" would end its tag early; no key can share this name's slot
         # through a tag, so fall back to a plain suffix (fine outside Cluster).
-        return f"{name}:fence"
-    return f"{{{name}}}:fence"
+        return f"{name}:{suffix}"
+    return f"{{{name}}}:{suffix}"
 
 
 def positive_seconds(setting: str, value: object, *, allow_none: bool) -> float | None:

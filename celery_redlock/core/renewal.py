@@ -3,7 +3,8 @@
 Leases wait in a heap ordered by when they are next due, a third of their TTL
 after their last renewal. A pass renews every lease that is due or more than
 half way there, so leases fall into step and each pass costs one pipelined
-round trip per Redis connection pool, however many locks the process holds.
+round trip per Redis connection pool, however many locks (and semaphore
+permits, renewed by a script of their own in the same pipeline) the process holds.
 
 A renewal that fails on a connection error is retried until the lease's own
 validity deadline; only then is the lease given up as lost. A lease the server
@@ -29,8 +30,8 @@ from redis.exceptions import NoScriptError
 
 from .error_text import describe_error
 from .lease import Clock, Lease
+from .lua import Script
 from .nodes import bounded_client
-from .scripts import RENEW
 
 __all__ = ["Watchdog", "default_watchdog"]
 
@@ -188,7 +189,17 @@ class Watchdog:
         return taken
 
     def _renew_group(self, client: Any, leases: Sequence[Lease]) -> None:
-        chunks = [leases[i : i + self._batch_size] for i in range(0, len(leases), self._batch_size)]
+        # Locks and semaphore permits renew with different scripts: one chunk
+        # list per script, all of them in the pass's one pipelined round trip.
+        by_script: dict[Script, list[Lease]] = {}
+        for lease in leases:
+            by_script.setdefault(lease.renew_script, []).append(lease)
+        size = self._batch_size
+        chunks = [
+            (script, group[i : i + size])
+            for script, group in by_script.items()
+            for i in range(0, len(group), size)
+        ]
         sent_at = self._clock()
         try:
             replies = self._send(client, chunks)
@@ -197,27 +208,29 @@ class Watchdog:
             # would leave them neither renewed nor reported lost.
             self._schedule_retry(leases, exc)
             return
-        for chunk, reply in zip(chunks, replies):
+        for (_, chunk), reply in zip(chunks, replies):
             for lease, pttl_ms in zip(chunk, reply):
                 self._settle(lease, sent_at, pttl_ms)
 
-    def _send(self, client: Any, chunks: Sequence[Sequence[Lease]]) -> list[list[int]]:
+    def _send(self, client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]]) -> list[Any]:
         def script_args(chunk: Sequence[Lease]) -> tuple[list[str], list[Any]]:
             args: list[Any] = ["1"]
             for lease in chunk:
                 assert lease.ttl is not None
                 args += (lease.token, int(lease.ttl * 1000))
-            return [lease.name for lease in chunk], args
+            return [lease.renew_key for lease in chunk], args
 
         if len(chunks) == 1:
-            return [RENEW(client, *script_args(chunks[0]))]
+            script, chunk = chunks[0]
+            return [script(client, *script_args(chunk))]
         pipe = client.pipeline(transaction=False)
-        for chunk in chunks:
-            RENEW.queue(pipe, *script_args(chunk))
+        for script, chunk in chunks:
+            script.queue(pipe, *script_args(chunk))
         replies: list[Any] = pipe.execute(raise_on_error=False)
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
-                replies[i] = RENEW(client, *script_args(chunks[i]))
+                script, chunk = chunks[i]
+                replies[i] = script(client, *script_args(chunk))
             elif isinstance(reply, Exception):
                 raise reply
         return replies

@@ -36,9 +36,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.sentinel import Sentinel
 
+from .admission import admission_lock
+from .exceptions import ConfigurationError
 from .lock import Lock
+from .permit import check_limit
 from .redlock import Redlock
 from .scripts import RELEASE_HELD_BY
+from .semaphore import Semaphore
+from .semaphore_scripts import RELEASE_PERMITS_HELD_BY, semaphore_keys
 from .store_setting import (
     CLUSTER_SCHEMES,
     DEFAULT_PORTS,
@@ -116,19 +121,29 @@ class LockStore:
             return _cluster_client(spec.urls, timeouts)
         return _sentinel_client(spec, timeouts)
 
-    def lock(self, name: str, **kwargs: Any) -> Lock:
+    def lock(self, name: str, *, limit: int = 1, **kwargs: Any) -> Lock | Semaphore:
         """Return a lock on key ``name``: a :class:`Redlock` over a list of masters, else a Lock.
 
-        Keyword arguments are :class:`~celery_redlock.core.lock.Lock`'s.
+        With ``limit`` above 1, a :class:`Semaphore` of that many permits (see
+        :func:`~celery_redlock.core.admission.admission_lock`). Keyword
+        arguments are :class:`~celery_redlock.core.lock.Lock`'s.
 
         Raises:
+            ConfigurationError: For a ``limit`` above 1 on Redlock masters:
+                the semaphore runs on one Redis, Sentinel or Cluster.
             redis.exceptions.RedisError: When building the client needs a
                 server that does not answer (Redis Cluster only).
         """
-        client = self.client
         if self.spec.topology == "redlock":
-            return Redlock(client, name, **kwargs)
-        return Lock(client, name, **kwargs)
+            if check_limit("limit", limit) != 1:
+                raise ConfigurationError(
+                    "limit",
+                    limit,
+                    "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
+                    "several masters (Redlock), where a semaphore has no quorum version",
+                )
+            return Redlock(self.client, name, **kwargs)
+        return admission_lock(self.client, name, limit=limit, **kwargs)
 
     def masters(self) -> list[Any]:
         """One plain client per master that holds locks, for health checks.
@@ -143,15 +158,23 @@ class LockStore:
             return [node.redis_connection for node in client.get_primaries()]
         return [client]
 
-    def release_held_by(self, name: str, fragment: str) -> int:
+    def release_held_by(self, name: str, fragment: str, *, limit: int = 1) -> int:
         """Delete lock ``name`` where its value holds ``fragment``; return how many masters did.
 
         Used to free the lock of a holder known dead (see ``hooks.py``). On
-        Redlock every master is asked; one that fails is left to the TTL.
+        Redlock every master is asked; one that fails is left to the TTL. With
+        ``limit`` above 1 ``name`` is a semaphore: the permits naming the
+        holder are removed, and their count returned.
 
         Raises:
             redis.exceptions.RedisError: When no master could be asked.
         """
+        if limit > 1 and self.spec.topology != "redlock":
+            keys = semaphore_keys(name)
+            args = (fragment, 60_000)
+            return int(
+                RELEASE_PERMITS_HELD_BY(self.client, (keys.permits, keys.waiters, keys.wake), args)
+            )
         clients = self.client if self.spec.topology == "redlock" else [self.client]
         released, errors = 0, []
         for client in clients:

@@ -29,6 +29,7 @@ class CallOptions:
     wait_sleep: float
     on_redis_error: str
     skipped: Any
+    limit: int = 1
 
     def call(self, key: str) -> Call:
         """Describe one call with lock key ``key``: a fresh id names it in the lock and the logs."""
@@ -41,24 +42,30 @@ class FunctionGuard(Guard[Any]):
 
     Args:
         options: The function's options.
-        lock_class: :class:`celery_redlock.Lock` or its asyncio twin.
+        admission_lock: Builds the call's lock or semaphore permit:
+            :func:`celery_redlock.core.admission.admission_lock` or its asyncio twin.
         client: The Redis client this call locks with.
     """
 
     kind = "call"
     log = logger
 
-    def __init__(self, options: CallOptions, lock_class: Any, client: Any) -> None:
+    def __init__(self, options: CallOptions, admission_lock: Any, client: Any) -> None:
         self.options = options
-        self.lock_class = lock_class
+        self.admission_lock = admission_lock
         self.client = client
 
     def new_lock(self, call: Call) -> Any:
-        """Build the lock of one call (auto-renewed; blocking only under ``"wait"``)."""
+        """Build the lock of one call (auto-renewed; blocking only under ``"wait"``).
+
+        Under ``limit`` above 1 it is a semaphore permit; a ``"wait"`` then
+        waits its turn on the semaphore's wait list, first come, first served.
+        """
         options = self.options
-        return self.lock_class(
+        return self.admission_lock(
             self.client,
             call.key,
+            limit=options.limit,
             timeout=options.ttl,
             sleep=options.wait_sleep,
             blocking=options.on_conflict == "wait",

@@ -1,4 +1,7 @@
-"""The ``async def`` side of :func:`celery_redlock.singleton`: one call under an asyncio lock."""
+"""The ``async def`` side of :func:`celery_redlock.singleton`: one call under an asyncio lock.
+
+With ``limit`` above 1 the call takes an asyncio semaphore permit instead.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
-from celery_redlock.asyncio.lock import Lock
+from celery_redlock.asyncio.admission import admission_lock
 from celery_redlock.calls.guarded_async import run_guarded_async
 from celery_redlock.core.keys import KeyBuilder
 
@@ -26,7 +29,7 @@ def wrap_async(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
         call = options.call(keys.key_for(args, kwargs))
         client, close = clients.get_async()
         try:
-            guard = FunctionGuard(options, Lock, client)
+            guard = FunctionGuard(options, admission_lock, client)
             return await run_guarded_async(guard, call, lambda: func(*args, **kwargs))
         finally:
             if close:

@@ -21,9 +21,9 @@ from typing import Any, TypeVar, cast
 
 from celery_redlock.calls.guarded import run_guarded
 from celery_redlock.calls.options import validate
+from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
-from celery_redlock.core.lock import Lock
 
 from .calls import CallOptions, FunctionGuard
 from .clients import ClientResolver, ClientSource
@@ -67,6 +67,7 @@ def singleton(
     skipped: Any = None,
     key_prefix: str = "redlock",
     name: str | None = None,
+    limit: int = 1,
 ) -> Any:
     """Run the decorated function under a Redis lock keyed by its arguments.
 
@@ -95,6 +96,10 @@ def singleton(
             of your own to tell a skip from a function that returned ``None``).
         key_prefix: Prefix of the lock keys.
         name: The name in the key (default ``module.qualname`` of ``func``).
+        limit: Most calls with the same key running at once (default 1). Above
+            1 each call takes a permit of a :class:`celery_redlock.Semaphore`;
+            the call beyond the limit skips, raises, or waits its turn (first
+            come, first served) as ``on_conflict`` says.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -113,6 +118,7 @@ def singleton(
             skipped=skipped,
             key_prefix=key_prefix,
             name=name,
+            limit=limit,
         )
     if not callable(func):
         raise ConfigurationError("func", func, "singleton decorates a function")
@@ -124,6 +130,7 @@ def singleton(
         wait_sleep=cast(float, _non_negative("wait_sleep", wait_sleep, allow_none=False)),
         on_redis_error=_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
         skipped=skipped,
+        limit=validate("limit", limit),
     )
     if options.name and ("{" in options.name or "}" in options.name):
         raise ConfigurationError("name", options.name, "must not contain braces")
@@ -149,7 +156,7 @@ def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientR
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         call = options.call(keys.key_for(args, kwargs))
-        guard = FunctionGuard(options, Lock, clients.get())
+        guard = FunctionGuard(options, admission_lock, clients.get())
         return run_guarded(guard, call, lambda: func(*args, **kwargs))
 
     return cast(F, wrapper)

@@ -3,17 +3,16 @@
 They read the lock store with ``SCAN`` (see :mod:`celery_redlock.core.inventory`)
 and ask workers over Celery's remote control; none of them needs a worker of
 its own. Every deletion is a compare-and-delete of the value just read, so a
-lock that changed hands in between is never deleted by mistake.
+lock that changed hands in between is never deleted by mistake. A semaphore
+(``lock_limit`` above 1) is listed and shown permit by permit, and ``release
+--permit TOKEN`` frees one permit (a compare-and-delete of that permit only).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import click
@@ -21,14 +20,29 @@ from celery.bin.base import CeleryCommand
 
 from celery_redlock.celery.control import STATS_COMMAND
 from celery_redlock.celery.stats import COUNTERS
-from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.holder import Holder
-from celery_redlock.core.inventory import LockInfo, clients_of, find_locks, read_locks
-from celery_redlock.core.recovery import lock_prefixes, pid_alive
+from celery_redlock.core.inventory import (
+    LockInfo,
+    clients_of,
+    find_locks,
+    read_locks,
+    semaphore_key,
+)
+from celery_redlock.core.recovery import lock_prefixes
 from celery_redlock.core.scripts import RELEASE
 from celery_redlock.core.store import store_for
 
-__all__ = ["COMMANDS", "Liveness", "ReleaseOutcome", "holder_liveness", "release_checked"]
+from .holders import Liveness, ReleaseOutcome, holder_liveness
+from .holders import ttl_text as _ttl
+from .holders import when as _when
+from .permits import delete_permit, describe_semaphore, permit_row, release_permit_checked
+
+__all__ = [
+    "COMMANDS",
+    "Liveness",
+    "ReleaseOutcome",
+    "holder_liveness",
+    "release_checked",
+]
 
 #: Seconds a remote-control request waits for replies, unless ``--timeout`` says otherwise.
 DEFAULT_TIMEOUT = 1.0
@@ -41,17 +55,6 @@ def _app(ctx: click.Context) -> Any:
 def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(message, err=True)
     sys.exit(code)
-
-
-def _when(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    moment = datetime.fromtimestamp(seconds, timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def _ttl(seconds: float | None) -> str:
-    return "none" if seconds is None else f"{seconds:.1f}s"
 
 
 def _dump(data: Any) -> None:
@@ -72,13 +75,19 @@ def _find(
     # On Redlock each master holds its own copy of a lock: list each key once.
     found: dict[str, LockInfo] = {}
     for client in _clients(app):
-        for info in find_locks(client, prefixes, task, queue):
+        for info in find_locks(client, prefixes, task, queue, semaphores=True):
             found.setdefault(info.key, info)
     return sorted(found.values(), key=lambda info: (info.task, info.key))
 
 
 def _delete(app: Any, info: LockInfo) -> bool:
-    """Compare-and-delete ``info``'s value on every master; ``True`` if any held it."""
+    """Compare-and-delete ``info``'s value on every master; ``True`` if any held it.
+
+    For a semaphore, every permit read is removed (each only if still held).
+    """
+    if info.permits is not None:
+        (client,) = _clients(app)  # semaphores never live on Redlock masters
+        return sum(int(delete_permit(client, info, permit)) for permit in info.permits) > 0
     return sum(int(RELEASE(client, (info.key,), (info.value, "0"))) for client in _clients(app)) > 0
 
 
@@ -130,6 +139,9 @@ def list_locks(
         return
     rows = [["TASK", "HOLDER", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWALS", "FENCE", "KEY"]]
     for info in locks:
+        if info.permits is not None:
+            rows += [permit_row(info, permit) for permit in info.permits]
+            continue
         holder = info.holder
         rows.append(
             [
@@ -175,7 +187,9 @@ def _describe(info: LockInfo) -> list[tuple[str, str]]:
 
 def _read_one(app: Any, key: str) -> LockInfo:
     for client in _clients(app):
-        found = read_locks(client, [key])
+        found = read_locks(client, [key]) or read_locks(
+            client, [semaphore_key(key)], semaphores=True
+        )
         if found:
             return found[0]
     _fail(f"no task lock at {key}")
@@ -191,64 +205,10 @@ def show(ctx: click.Context, /, key: str, as_json: bool, **kwargs: Any) -> None:
     if as_json:
         _dump(info.as_dict())
         return
-    lines = _describe(info)
+    lines = describe_semaphore(info) if info.permits is not None else _describe(info)
     width = max(len(label) for label, _ in lines)
     for label, value in lines:
         click.echo(f"{label.ljust(width)}  {value}")
-
-
-@dataclass(frozen=True)
-class Liveness:
-    """Whether a lock's holder is alive, and how that was found out.
-
-    Attributes:
-        alive: ``True`` (alive), ``False`` (gone) or ``None`` (cannot tell).
-        reason: One sentence saying what was checked.
-    """
-
-    alive: bool | None
-    reason: str
-
-
-def holder_liveness(app: Any, holder: Holder | None, timeout: float) -> Liveness:
-    """Find out whether ``holder``'s worker is alive.
-
-    The holder's worker node is pinged by remote control (that node only).
-    A node that does not answer may still have a process running the task
-    (an orphaned pool process, a worker busy past the timeout): on the same
-    host the holder's pid is checked as well.
-    """
-    if holder is None:
-        return Liveness(None, "the value does not name a celery-redlock holder")
-    node = holder.hostname
-    try:
-        replies = app.control.ping(destination=[node], timeout=timeout)
-    except Exception as exc:
-        return Liveness(None, f"could not ping worker {node}: {describe_error(exc)}")
-    if any(node in reply for reply in replies or ()):
-        return Liveness(True, f"worker {node} answers ping")
-    silent = f"worker {node} did not answer a ping within {timeout:g}s"
-    if holder.host is not None and holder.host == socket.gethostname():
-        if pid_alive(holder.pid):
-            return Liveness(True, f"{silent}, but pid {holder.pid} still runs on this host")
-        return Liveness(False, f"{silent} and pid {holder.pid} is not running on this host")
-    where = f"host {holder.host}" if holder.host else "an unrecorded host"
-    return Liveness(False, f"{silent} (pid {holder.pid} on {where} cannot be checked from here)")
-
-
-@dataclass(frozen=True)
-class ReleaseOutcome:
-    """What a checked release did, in the words the CLI and the dashboard show.
-
-    Attributes:
-        released: Whether the lock was deleted.
-        refused: Whether it was left because its holder is or may be alive.
-        message: One sentence: what happened and what was checked.
-    """
-
-    released: bool
-    refused: bool
-    message: str
 
 
 def release_checked(
@@ -295,16 +255,41 @@ def release_checked(
 @click.command(name="release", cls=CeleryCommand)
 @click.argument("key")
 @click.option("--force", is_flag=True, help="Release even if the holder's worker is alive.")
+@click.option(
+    "--permit",
+    "permit_token",
+    default=None,
+    help="Of a semaphore (lock_limit above 1): the token of the one permit to free (see show).",
+)
 @timeout_option
 @click.pass_context
-def release(ctx: click.Context, /, key: str, force: bool, timeout: float, **kwargs: Any) -> None:
+def release(
+    ctx: click.Context,
+    /,
+    key: str,
+    force: bool,
+    permit_token: str | None,
+    timeout: float,
+    **kwargs: Any,
+) -> None:
     """Release KEY if its holder's worker is gone (pinged, and pid checked on this host).
 
     Refuses, with exit code 1, when the holder is alive or its state cannot be
     told, unless --force. The deletion is a compare-and-delete of the value read.
+    A semaphore's permits are freed one at a time, named by --permit.
     """
     app = _app(ctx)
-    outcome = release_checked(app, _read_one(app, key), force, timeout)
+    info = _read_one(app, key)
+    if info.permits is not None:
+        if permit_token is None:
+            tokens = ", ".join(p.holder.token if p.holder else p.token for p in info.permits)
+            _fail(f"{key} is a semaphore; name the permit to free with --permit ({tokens})")
+        (client,) = _clients(app)
+        outcome = release_permit_checked(app, client, info, permit_token, force, timeout)
+    elif permit_token is not None:
+        _fail(f"{key} is a lock, not a semaphore: release it without --permit")
+    else:
+        outcome = release_checked(app, info, force, timeout)
     if not outcome.released:
         _fail(outcome.message)
     click.echo(outcome.message)

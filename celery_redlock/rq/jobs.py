@@ -44,10 +44,10 @@ from celery_redlock.calls.decisions import (
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import LockOptions, OnConflict, OnRedisError, validate
+from celery_redlock.core.admission import AdmissionLock, admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
-from celery_redlock.core.lock import Lock
 from celery_redlock.core.lua import Script
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
@@ -128,6 +128,7 @@ def singleton_job(
     key_prefix: str = "redlock",
     name: str | None = None,
     client: Any = None,
+    limit: int = 1,
 ) -> Any:
     """Run each execution of an RQ job function under a lock keyed by its arguments.
 
@@ -150,6 +151,10 @@ def singleton_job(
         key_prefix: Prefix of the lock keys.
         name: The name in the key (default ``module.qualname``, RQ's ``func_name``).
         client: Redis client for the lock (default: the worker's connection).
+        limit: Most runs with the same key at once (default 1). Above 1 each run
+            takes a permit of a :class:`celery_redlock.Semaphore`, and the run
+            beyond the limit meets ``on_conflict``; a job meeting a permit of
+            its own earlier run (same job id) waits for it, never skips.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -169,6 +174,7 @@ def singleton_job(
             key_prefix=key_prefix,
             name=name,
             client=client,
+            limit=limit,
         )
     job_name = name or f"{func.__module__}.{func.__qualname__}"
     if "{" in job_name or "}" in job_name:
@@ -183,6 +189,7 @@ def singleton_job(
         requeue_jitter=validate("requeue_jitter", requeue_jitter),
         max_requeues=validate("max_requeues", max_requeues),
         key_prefix=validate("key_prefix", key_prefix),
+        limit=validate("limit", limit),
     )
     if "requeue" in (options.on_conflict, options.on_redis_error) and not _returns_retry():
         raise ConfigurationError(
@@ -239,12 +246,16 @@ class _JobRunner(Guard[Any]):
         )
         return run_guarded(self, call, lambda: self.func(*args, **kwargs))
 
-    def new_lock(self, call: Call) -> Lock:
-        """The run's lock, on the given client or the worker's own connection."""
+    def new_lock(self, call: Call) -> AdmissionLock:
+        """The run's lock (a semaphore permit under ``limit``), on the client or the job's.
+
+        The client is ``client=`` when given, else the worker's own connection.
+        """
         client = self.client if self.client is not None else _job_of(call).connection
-        return Lock(
+        return admission_lock(
             client,
             call.key,
+            limit=self.options.limit,
             timeout=self.options.ttl,
             blocking=False,
             thread_local=False,

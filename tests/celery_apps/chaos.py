@@ -35,13 +35,25 @@ from celery_redlock import SingletonTask, current_lock
 from tests.celery_apps.storm import WakeUp
 from tests.chaos.history import FencedStore, hold, record_prerun, watched_execution
 
-__all__ = ["LOCK_TTL", "WINDOW_TASK", "create_app", "environment", "lock_store_setting"]
+__all__ = [
+    "LIMIT",
+    "LIMITED_TASK",
+    "LOCK_TTL",
+    "WINDOW_TASK",
+    "create_app",
+    "environment",
+    "lock_store_setting",
+]
 
 #: The task that runs in the until_and_while_executing window.
 WINDOW_TASK = "chaos.window"
 
 #: TTL of the chaos tasks' locks: short, so faults beyond it fit in a lean suite.
 LOCK_TTL = 1.0
+#: The task that runs with lock_limit=LIMIT (a semaphore; single lock store only).
+LIMITED_TASK = "chaos.limited"
+#: Permits per key of the limited task.
+LIMIT = 2
 
 _clients: dict[str, redis.Redis] = {}
 
@@ -121,6 +133,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     _register_tasks(app)
     if isinstance(lock_url, str):
         _register_window_task(app)
+        _register_limited_task(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
@@ -133,10 +146,33 @@ def _history(task: Task) -> redis.Redis:
     return client
 
 
+class SlotLease:
+    """A semaphore permit seen as a lock on its slot: ``<key>#<slot>``.
+
+    One holder occupies a slot at a time, so the checker's per-key rules
+    (exclusion, fence order, fenced writes) hold per slot, and the fenced
+    store keys writes by slot, as docs/limits.md tells users to.
+    """
+
+    def __init__(self, lease: Any) -> None:
+        self.lease = lease
+        self.name = f"{lease.name}#{lease.slot}"
+        self.fence = lease.fence
+
+    @property
+    def lost(self) -> bool:
+        return bool(self.lease.lost)
+
+    def remaining(self) -> float:
+        return float(self.lease.remaining())
+
+
 def _work(task: Task, run: str, seconds: float) -> str:
     lease = current_lock()
     if lease is None:
         raise RuntimeError(f"{task.name} runs without its lock")
+    if getattr(lease, "slot", None) is not None:
+        lease = SlotLease(lease)
     client = _history(task)
     with watched_execution(client, run, task.request.id, lease) as recorder:
         hold(recorder, FencedStore(client, run), seconds)
@@ -157,6 +193,19 @@ def _register_tasks(app: Celery) -> None:
     @app.task(name="chaos.work_early", acks_late=False, **_LOCK_OPTIONS)
     def work_early(self: Task, run: str, resource: str, seconds: float) -> str:
         """As ``work``, but acked when it starts: a killed run is gone for good."""
+        return _work(self, run, seconds)
+
+
+def _register_limited_task(app: Celery) -> None:
+    @app.task(
+        name=LIMITED_TASK,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        lock_limit=LIMIT,
+        **_LOCK_OPTIONS,
+    )
+    def limited(self: Task, run: str, resource: str, seconds: float) -> str:
+        """As ``work``, with up to LIMIT holders per key, each fenced by its slot."""
         return _work(self, run, seconds)
 
 

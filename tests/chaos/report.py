@@ -30,6 +30,11 @@ SCENARIOS: dict[str, str] = {
     "lock store frozen (SIGSTOP) beyond lock_ttl": "safe, no loss",
     "SCRIPT FLUSH on the lock store mid-run": "safe, no loss",
     "lock store restarted empty while a lock is held": "NOT promised; fencing contains it",
+    "semaphore: SIGSTOP of a permit holder beyond lock_ttl": "safe per slot, no loss",
+    "semaphore: lock store frozen (SIGSTOP) beyond lock_ttl": "safe per slot, no loss",
+    "semaphore: lock store restarted empty while permits are held": (
+        "NOT promised; fencing per slot contains it"
+    ),
     "broker frozen (SIGSTOP), then resumed": "safe, no loss",
     "broker connections killed (CLIENT KILL)": "safe; loss not promised (Redis transport)",
     "Redlock, 5 masters: minority killed, hung, restarted empty": (

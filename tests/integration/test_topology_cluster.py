@@ -128,3 +128,35 @@ def test_singleton_task_end_to_end_on_a_cluster(cluster, redis_server):
         # The lock is free as soon as the result is visible, on whichever node holds it.
         assert sync.delay("acme").get(timeout=10) > fence
     assert keys_on(cluster, f"{prefix}:*") == [fence_key_for(key).encode()]
+
+
+def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, store):
+    """Permits, fence and wait list share the name's slot: acquire, refusal, a woken
+    blocking waiter and watchdog renewal all work on a Cluster, on one node."""
+    from celery_redlock.core.semaphore_scripts import semaphore_keys
+
+    name = f"c3:v1:{{t.job:{uuid.uuid4().hex}}}"
+    watchdog = Watchdog()
+    holders = [
+        store.lock(name, limit=2, timeout=0.6, auto_renew=True, watchdog=watchdog, blocking=False)
+        for _ in range(2)
+    ]
+    assert all(holder.acquire() for holder in holders)
+    waiter = store.lock(name, limit=2, timeout=5, sleep=0.05, thread_local=False)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(blocking_timeout=20)))
+    thread.start()
+    keys = semaphore_keys(name)
+    node = cluster.node_of(name).client()
+    wait_until(lambda: node.zcard(keys.waiters) == 1, 10, "the waiter to queue")
+    wait_until(lambda: all(h.lease.renewals >= 2 for h in holders), 10, "two renewals each")
+    holders[0].release()
+    thread.join(20)
+    assert got == [True] and waiter.slot == holders[0].lease.slot
+    assert waiter.fence > max(h.lease.fence for h in holders)
+    assert node.zcard(keys.permits) == 2
+    slots = {node.cluster("keyslot", key) for key in (name, keys.permits, keys.fence, keys.wake)}
+    assert len(slots) == 1
+    holders[1].release()
+    waiter.release()
+    assert node.zcard(keys.permits) == 0

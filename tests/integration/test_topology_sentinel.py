@@ -117,3 +117,19 @@ def test_unreplicated_lock_is_lost_in_failover(group):
         first.release()
     second.release()
     store.close()
+
+
+def test_semaphore_through_sentinel_takes_and_frees_permits_on_the_master(group):
+    """The semaphore through the Sentinel-discovered master: permits on the master,
+    the third caller refused, a permit freed by its release taken again."""
+    from celery_redlock.core.semaphore_scripts import semaphore_keys
+
+    store = store_of(group)
+    name = f"s3:v1:{{t.job:{uuid.uuid4().hex}}}"
+    first, second, third = (store.lock(name, limit=2, timeout=30, blocking=False) for _ in "abc")
+    assert first.acquire() and second.acquire()
+    assert not third.acquire()
+    assert third.refusal.held == 2 and third.refusal.limit == 2
+    assert group.master.client().zcard(semaphore_keys(name).permits) == 2
+    first.release()
+    assert third.acquire() and third.fence > second.fence

@@ -97,3 +97,29 @@ def locked_elsewhere():
     """Lock on the server ``$REDLOCK_TEST_RQ_LOCK_STORE`` names, not the queue's."""
     _connection().incr(RUNS)
     return "ran"
+
+
+#: The hold intervals of ``limited`` (``start:end:holders:fence:slot``).
+LIMITED_LOG = "jobs:limited"
+LIMITED_HOLDERS = "jobs:limited_holders"
+
+
+@singleton_job(
+    ttl=5,
+    limit=2,
+    on_conflict="requeue",
+    requeue_delay=1,
+    requeue_max_delay=2,
+    max_requeues=1000,
+)
+def limited(item, seconds=0.3):
+    """Hold one of two permits for ``seconds``, recording how many runs were inside."""
+    connection = _connection()
+    lease = current_lock()
+    start = time.time()
+    holders = connection.incr(LIMITED_HOLDERS)
+    time.sleep(seconds)
+    connection.decr(LIMITED_HOLDERS)
+    end = time.time()
+    connection.rpush(LIMITED_LOG, f"{start}:{end}:{holders}:{lease.fence}:{lease.slot}")
+    return item

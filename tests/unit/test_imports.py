@@ -18,6 +18,10 @@ import pytest
 
 import celery_redlock
 
+# Each check starts fresh interpreters (about seventy in all): bounded, but
+# not by the default 60 s on a machine whose cores are busy.
+pytestmark = pytest.mark.timeout(600)
+
 PACKAGE = Path(celery_redlock.__file__).parent
 FRAMEWORKS = ("celery", "kombu")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from celery_redlock.core.holder import Holder
-from celery_redlock.core.inventory import LockInfo, lock_pattern, parse_key
+from celery_redlock.core.inventory import LockInfo, PermitInfo, lock_pattern, parse_key
 from celery_redlock.core.keys import KeyBuilder
 
 
@@ -65,3 +65,25 @@ def test_renewals_unknown_without_metadata():
     assert info.renewals is None and info.acquired_at is None
     assert _info(1000.0, None, 1005.0).renewals is None
     assert _info(1000.0, 5.0, 1005.0, ttl_ms=0).renewals is None
+
+
+def test_a_semaphores_permits_key_is_read_only_when_asked_for():
+    """The permits set of a semaphore parses as its task's key only with semaphores=True,
+    so the reaper and recovery, which never ask, see locks only."""
+    key = _key("ops", "app.limited") + ":permits"
+    assert parse_key(key) is None
+    assert parse_key(key, semaphores=True) == ("ops", "app.limited")
+    assert parse_key(_key() + ":waiters", semaphores=True) is None
+
+
+def test_a_permit_member_reads_back_its_slot_fence_holder_and_ttl():
+    """A member ``slot|fence|token`` scored by its expiry gives the permit; others give None."""
+    holder = Holder.new("t-1", "w@h", ttl=10)
+    permit = PermitInfo.parse(f"2|1234|{holder.encode()}", 1_005_500.0, 1000.0)
+    assert permit is not None
+    assert (permit.slot, permit.fence, permit.ttl) == (2, 1234, 5.5)
+    assert permit.holder == holder
+    assert permit.as_dict()["token"] == holder.token
+    foreign = PermitInfo.parse("0|7|plain-token", 1_001_000.0, 1000.0)
+    assert foreign is not None and foreign.holder is None and foreign.token == "plain-token"
+    assert PermitInfo.parse("not-a-permit", 1.0, 0.0) is None

@@ -1,0 +1,115 @@
+"""The asyncio semaphore on a real redis-server: N permits, per-task state, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from celery_redlock import LockNotOwned
+from celery_redlock.asyncio import Semaphore
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.semaphore_scripts import semaphore_keys
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_tasks_on_one_loop_share_up_to_limit_permits(arun: Any, decode: bool) -> None:
+    """Eight tasks of one loop on a 3-permit semaphore: never more than 3 inside, every task
+    gets in (blocking acquires, first come first served), fences all distinct."""
+    inside: list[int] = []
+    most = 0
+    fences: list[int] = []
+
+    async def scenario(client: Any) -> None:
+        semaphore = Semaphore(client, "sem", limit=3, timeout=5, sleep=0.02, blocking_timeout=20)
+
+        async def worker() -> None:
+            nonlocal most
+            assert await semaphore.acquire()
+            inside.append(1)
+            most = max(most, len(inside))
+            fences.append(semaphore.fence)
+            assert semaphore.slot in (0, 1, 2)
+            await asyncio.sleep(0.05)
+            inside.pop()
+            await semaphore.release()
+
+        await asyncio.gather(*(worker() for _ in range(8)))
+
+    arun(scenario, decode_responses=decode)
+    assert most == 3
+    assert len(fences) == len(set(fences)) == 8
+
+
+def test_refusal_and_release_by_permit_only(arun: Any) -> None:
+    """The fourth acquire is refused with the permit that frees first; a permit removed
+    behind its holder's back makes its release fail without touching the others."""
+
+    async def scenario(client: Any) -> None:
+        holders = [Semaphore(client, "sem", limit=3, timeout=5, blocking=False) for _ in range(4)]
+        assert [await s.acquire() for s in holders] == [True, True, True, False]
+        refusal = holders[3].refusal
+        assert (refusal.held, refusal.limit) == (3, 3) and refusal.ttl is not None
+        await client.zrem(semaphore_keys("sem").permits, holders[0].token)
+        with pytest.raises(LockNotOwned):
+            await holders[0].release()
+        assert await client.zcard(semaphore_keys("sem").permits) == 2
+        assert await holders[3].acquire()
+        assert await holders[3].held() == 3
+
+    arun(scenario)
+
+
+def test_a_task_never_holds_two_permits(arun: Any) -> None:
+    """As in the sync semaphore: a second permit for the same task id is refused."""
+
+    async def scenario(client: Any) -> None:
+        first, again = (Semaphore(client, "sem", limit=3, timeout=5, blocking=False) for _ in "ab")
+        assert await first.acquire(token=Holder.new("t-1").encode())
+        assert not await again.acquire(token=Holder.new("t-1").encode())
+        assert again.refusal.holder_id == "t-1"
+
+    arun(scenario)
+
+
+def test_auto_renewal_keeps_a_permit_past_its_ttl(arun: Any) -> None:
+    """A renewed permit outlives several TTLs; the renewal task renews the permit, not a key."""
+
+    async def scenario(client: Any) -> None:
+        holder = Semaphore(client, "sem", limit=2, timeout=0.3, auto_renew=True, blocking=False)
+        other = Semaphore(client, "sem", limit=2, timeout=5, blocking=False)
+        assert await holder.acquire()
+        while holder.lease.renewals < 4:
+            await asyncio.sleep(0.05)
+        assert not holder.lost
+        assert await holder.owned()
+        assert await other.acquire() and other.slot == 1
+        await holder.release()
+
+    arun(scenario)
+
+
+def test_a_cancelled_blocking_acquire_leaves_nothing_behind(arun: Any) -> None:
+    """Cancelled while it waits, or timed out: it holds no permit and leaves the wait list."""
+
+    async def scenario(client: Any) -> None:
+        keys = semaphore_keys("sem")
+        holder = Semaphore(client, "sem", limit=1, timeout=5, blocking=False)
+        waiter = Semaphore(client, "sem", limit=1, timeout=5, sleep=0.05)
+        assert await holder.acquire()
+        attempt = asyncio.ensure_future(waiter.acquire())
+        while not await client.zcard(keys.waiters):
+            await asyncio.sleep(0.01)
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        assert await client.zcard(keys.permits) == 1
+        while await client.zcard(keys.waiters):  # the cancelled waiter's leave runs on
+            await asyncio.sleep(0.01)
+        assert not await waiter.acquire(blocking_timeout=0.2)
+        assert await client.zcard(keys.waiters) == 0
+
+    arun(scenario)
