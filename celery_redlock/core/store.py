@@ -134,6 +134,8 @@ class LockStore:
             redis.exceptions.RedisError: When building the client needs a
                 server that does not answer (Redis Cluster only).
         """
+        if limit == 1 and type(limit) is int and self.spec.topology != "redlock":
+            return Lock(self.client, name, **kwargs)  # every task's lock: no detour
         if self.spec.topology == "redlock":
             if check_limit("limit", limit) != 1:
                 raise ConfigurationError(
