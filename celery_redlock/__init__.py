@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .calls.context import current_lock
+    from .calls.context import back_off, current_lock
     from .celery.install import install
     from .celery.result import SKIPPED
     from .celery.task import SingletonTask
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         LockNotAcquired,
         LockNotOwned,
         QuorumNotAchieved,
+        RateLimited,
         RedlockError,
     )
     from .core.lease import Lease
@@ -54,12 +55,14 @@ __all__ = [
     "LockNotAcquired",
     "LockNotOwned",
     "QuorumNotAchieved",
+    "RateLimited",
     "Redlock",
     "RedlockError",
     "RedlockLease",
     "SingletonTask",
     "Watchdog",
     "__version__",
+    "back_off",
     "current_lock",
     "default_watchdog",
     "fence_key_for",
@@ -74,6 +77,7 @@ _HOMES = {
     "SKIPPED": "celery.result",
     "SingletonTask": "celery.task",
     "install": "celery.install",
+    "back_off": "calls.context",
     "current_lock": "calls.context",
     "singleton": "functions.decorator",
     "Lease": "core.lease",
@@ -93,6 +97,7 @@ _HOMES = {
             "LockNotAcquired",
             "LockNotOwned",
             "QuorumNotAchieved",
+            "RateLimited",
             "RedlockError",
         ),
         "core.exceptions",

@@ -22,8 +22,9 @@ from redis.exceptions import RedisError
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotOwned
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 
-from .context import holding
+from .context import RateSlot, holding, rated
 
 __all__ = ["UNPROTECTED", "Call", "Guard", "Releasing", "run_guarded", "run_unprotected"]
 
@@ -42,12 +43,15 @@ class Call:
         label: How log lines name the call (``task add[1f3c]``).
         call_id: The call's id (task or job id), if it has one: a refusal by a
             holder with the same id is the call's own earlier delivery.
+        rate_key: The call's rate key, when it has a rate limit: checked
+            before the lock (see :meth:`Guard.rate_limiter`).
     """
 
     key: str
     token: str
     label: str
     call_id: str | None = None
+    rate_key: str | None = None
 
 
 class _Unprotected:
@@ -82,6 +86,14 @@ class Guard(Generic[T]):
         """Resolve a call whose acquire was refused (``lock.refusal`` says by whom)."""
         raise NotImplementedError
 
+    def rate_limiter(self, call: Call) -> RateLimiter:
+        """The limiter of a call with a ``rate_key`` (may raise ``RedisError``)."""
+        raise NotImplementedError
+
+    def rate_limited(self, call: Call, verdict: RateVerdict) -> T:
+        """Resolve a call over its rate limit (``verdict.wait``: seconds until a slot frees)."""
+        raise NotImplementedError
+
     def store_failed(self, call: Call, exc: RedisError) -> T:
         """Resolve a call whose store failed: return its result, :data:`UNPROTECTED`, or raise."""
         raise exc
@@ -104,22 +116,46 @@ class Guard(Generic[T]):
 
 
 def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
-    """Run ``body`` while holding the lock of ``call``, or let ``guard`` resolve why not."""
+    """Run ``body`` while holding the lock of ``call``, or let ``guard`` resolve why not.
+
+    A call with a rate key is first admitted by its rate limit (one round
+    trip); one over the limit goes to :meth:`Guard.rate_limited`, and an
+    admission whose lock is then refused is taken back.
+    """
+    slot: RateSlot | None = None
+    verdict: RateVerdict | None = None
     try:
-        lock = guard.new_lock(call)
-        acquired = lock.acquire(token=call.token)
+        if call.rate_key is not None:
+            slot = RateSlot(call.rate_key, guard.rate_limiter(call))
+            verdict = slot.limiter.acquire(call.rate_key, call.call_id)
+        if verdict is None or verdict.admitted:
+            lock = guard.new_lock(call)
+            acquired = lock.acquire(token=call.token)
     except RedisError as exc:
         return run_unprotected(guard, call, exc, body)
+    if verdict is not None and not verdict.admitted:
+        return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
     if not acquired:
+        _refund(slot, verdict)
         return guard.refused(call, lock)  # type: ignore[no-any-return]
     lease = lock.lease
     guard.acquired(call, lease)
     try:
-        with holding(lease):
+        with holding(lease), rated(slot):
             guard.starting(call, lease)
             return body()
     finally:
         guard.release(call, lock, lease)
+
+
+def _refund(slot: RateSlot | None, verdict: RateVerdict | None) -> None:
+    """Give back a rate admission whose call did not start; a failure only wastes the slot."""
+    if slot is None or verdict is None:
+        return
+    try:
+        slot.limiter.refund(slot.key, verdict)
+    except RedisError as exc:
+        logger.warning("could not give back a slot of %s (%s)", slot.key, describe_error(exc))
 
 
 def run_unprotected(guard: Guard[Any], call: Call, exc: RedisError, body: Callable[[], T]) -> T:

@@ -19,6 +19,7 @@ from typing import Any
 
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeySpec
+from celery_redlock.core.rate import Rate, parse_rate
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -145,6 +146,15 @@ def _prefix(setting: str, value: Any) -> str:
     return value
 
 
+def _rate(setting: str, value: Any) -> Rate | None:
+    if value is None:
+        return None
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise ConfigurationError(setting, value, str(exc)) from None
+
+
 def _option(default: Any, validator: Validator, app_wide: bool = True) -> Any:
     """A :class:`LockOptions` field: default, validator, and whether ``redlock_<name>`` sets it."""
     return field(default=default, metadata={"validate": validator, "app_wide": app_wide})
@@ -170,6 +180,10 @@ class LockOptions:
         mode: When the lock is held: a :class:`Mode`.
         on_duplicate: :class:`OnDuplicate` (enqueue modes only).
         enqueue_ttl: Seconds an enqueue lock lasts beyond the call's countdown/eta.
+        rate: At most this many starts per window and rate key (``"100/m"``,
+            ``"20/s"``, ``"10/5s"``), or ``None``: see docs/limits.md.
+        rate_key: Which arguments make the rate key (like ``key``); ``None``:
+            the same as the lock key.
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -184,6 +198,8 @@ class LockOptions:
     mode: Mode = _option(Mode.WHILE_EXECUTING, _choice(Mode))
     on_duplicate: OnDuplicate = _option(OnDuplicate.RETURN_EXISTING, _choice(OnDuplicate))
     enqueue_ttl: float = _option(600.0, _seconds)
+    rate: Rate | None = _option(None, _rate, app_wide=False)
+    rate_key: KeySpec = _option(None, _key_spec, app_wide=False)
 
 
 @dataclass(frozen=True)

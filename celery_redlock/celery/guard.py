@@ -26,8 +26,12 @@ from celery_redlock.calls.decisions import (
     Decision,
     decide,
     gave_up,
+    log_rate_limited,
     log_store_failure,
     not_acquired,
+    rate_countdown,
+    rate_keys,
+    rate_limited,
     requeue_countdown,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
@@ -37,6 +41,7 @@ from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.lock import Lease, Lock
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
 from . import signals
@@ -121,6 +126,8 @@ class TaskGuard(Guard[Any]):
         self.store = store
         self.queue = queue
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
+        self.rate_keys = rate_keys(task.name, task.run, options)
+        self._limiter: RateLimiter | None = None
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
@@ -149,7 +156,31 @@ class TaskGuard(Guard[Any]):
             queue=self.queue or queue_of(request.delivery_info),
         )
         label = f"task {task.name}[{request.id}]"
-        return Call(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
+        rate_key = None if self.rate_keys is None else self.rate_keys.key_for(args, kwargs)
+        return Call(self.keys.key_for(args, kwargs), holder.encode(), label, request.id, rate_key)
+
+    def rate_limiter(self, call: Call) -> RateLimiter:
+        """The task's limiter, on the lock store's client (built on first use)."""
+        if self._limiter is None:
+            assert self.options.rate is not None  # only calls with a rate key get here
+            self._limiter = RateLimiter(self.store.client, self.options.rate)
+        return self._limiter
+
+    def rate_limited(self, call: Call, verdict: RateVerdict) -> NoReturn:
+        """Requeue until a slot frees (not counted as a retry or requeue), skip, or raise."""
+        assert call.rate_key is not None and self.options.rate is not None
+        request = self.task.request
+        action = str(self.options.on_conflict)
+        if action == "requeue" and request.is_eager:
+            action = "raise"
+        log_rate_limited(call, self.options.rate, verdict, action, logger)
+        if action == "requeue":
+            delay = rate_countdown(self.options, verdict, random.random())
+            self._requeue(call.rate_key, Refusal(), Decision("requeue"), delay=delay)
+        if action == "skip":
+            self._record_skip(call.rate_key, None, reason="rate")
+            raise Ignore()
+        raise rate_limited(call.label, call.rate_key, self.options.rate, verdict)
 
     def new_lock(self, call: Call) -> Lock:
         """Build the lock one run takes (enqueue modes take it differently).
@@ -277,6 +308,7 @@ class TaskGuard(Guard[Any]):
         decision: Decision,
         recheck: bool = True,
         unreachable: RedisError | None = None,
+        delay: float | None = None,
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
 
@@ -292,9 +324,11 @@ class TaskGuard(Guard[Any]):
                 if the holder turns out to have finished the task.
                 ``unreachable`` is the error of a lock store that could not be
                 reached, when that (not a holder) is why the call is requeued.
+                A ``delay`` given (a rate limit's exact wait) is used as it is,
+                and the requeue is not counted against ``max_requeues``.
         """
         request = self.task.request
-        attempt = requeues_of(request) + 1
+        attempt = requeues_of(request) + (1 if delay is None else 0)
         if request.is_eager:
             raise LockNotAcquired(
                 f"{self._label()} runs eagerly and cannot be requeued: lock {key} is held by "
@@ -303,9 +337,10 @@ class TaskGuard(Guard[Any]):
                 holder=refusal.holder_id,
                 holder_ttl=refusal.ttl,
             )
-        if attempt > self.options.max_requeues and not decision.own:
-            raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
-        delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
+        if delay is None:
+            if attempt > self.options.max_requeues and not decision.own:
+                raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
+            delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         own = decision.own
         headers = dict(request.headers or {})
         retries = request.retries or 0
@@ -348,7 +383,7 @@ class TaskGuard(Guard[Any]):
             f"could not requeue for lock {key}: {describe_error(exc)}", lock_name=key
         ) from exc
 
-    def _record_skip(self, key: str, holder: Holder | None) -> None:
+    def _record_skip(self, key: str, holder: Holder | None, reason: str = "duplicate") -> None:
         task, request = self.task, self.task.request
         if task.ignore_result or isinstance(task.backend, DisabledBackend):
             return
@@ -356,7 +391,7 @@ class TaskGuard(Guard[Any]):
             task.update_state(
                 state=SKIPPED,
                 meta={
-                    "reason": "duplicate",
+                    "reason": reason,
                     "key": key,
                     "holder": holder.task_id if holder else None,
                     "holder_hostname": holder.hostname if holder else None,

@@ -18,6 +18,7 @@ from .queues import locked_queue
 from .result import SingletonResult
 from .settings import (
     check_mode_store,
+    check_rate,
     lock_url,
     resolve,
     unknown_task_options,
@@ -50,6 +51,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_on_duplicate: In an enqueue mode, what ``apply_async`` does when a
             copy is already enqueued: ``"return_existing"`` or ``"raise"``.
         lock_enqueue_ttl: Seconds an enqueue lock lasts beyond the countdown/eta.
+        lock_rate: At most this many starts per window and rate key:
+            ``"100/m"``, ``"20/s"``, ``"5/h"``, ``"10/5s"`` (see docs/limits.md).
+        lock_rate_key: Argument names or ``(args, kwargs) -> str`` making the
+            rate key; ``None``: the same arguments as the lock key.
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -64,6 +69,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_mode: ClassVar[str | None] = None
     lock_on_duplicate: ClassVar[str | None] = None
     lock_enqueue_ttl: ClassVar[float | None] = None
+    lock_rate: ClassVar[str | None] = None
+    lock_rate_key: ClassVar[KeySpec] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True
@@ -99,6 +106,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"
         check_mode_store(mode_from, options, conf)
         KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
+        check_rate(cls, options, conf)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task under its lock; a direct call (``task(...)``) runs it plainly."""

@@ -237,7 +237,7 @@ class _JobRunner(Guard[Any]):
             Holder.new(job_id).encode(),
             f"job {self.name}[{job_id}]",
             job.id if job is not None else None,
-            job,
+            job=job,
         )
         return run_guarded(self, call, lambda: self.func(*args, **kwargs))
 
