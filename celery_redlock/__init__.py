@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .calls.context import back_off, current_lock
+    from .calls.context import back_off, current_lock, current_rate
     from .celery.install import install
     from .celery.result import SKIPPED
     from .celery.task import SingletonTask
@@ -64,6 +64,7 @@ __all__ = [
     "__version__",
     "back_off",
     "current_lock",
+    "current_rate",
     "default_watchdog",
     "fence_key_for",
     "install",
@@ -79,6 +80,7 @@ _HOMES = {
     "install": "celery.install",
     "back_off": "calls.context",
     "current_lock": "calls.context",
+    "current_rate": "calls.context",
     "singleton": "functions.decorator",
     "Lease": "core.lease",
     "Lock": "core.lock",

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from celery_redlock.core.lock import Lease
-from celery_redlock.core.rate import RateLimiter
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 
-__all__ = ["RateSlot", "back_off", "current_lock", "holding", "rated"]
+__all__ = ["RateSlot", "back_off", "current_lock", "current_rate", "holding", "rated"]
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_redlock_current_lock", default=None
@@ -45,10 +45,17 @@ def holding(lease: Lease) -> Iterator[Lease]:
 
 @dataclass(frozen=True)
 class RateSlot:
-    """The rate key the running call was admitted to, and the limiter that admitted it."""
+    """The rate key the running call was admitted to, the limiter, and its admission.
+
+    Attributes:
+        key: The rate key.
+        limiter: The limiter that admitted the call.
+        verdict: The admission: ``at_ms`` (server time of the start) and ``used``.
+    """
 
     key: str
     limiter: RateLimiter
+    verdict: RateVerdict
 
 
 _rate_slot: contextvars.ContextVar[RateSlot | None] = contextvars.ContextVar(
@@ -64,6 +71,11 @@ def rated(slot: RateSlot | None) -> Iterator[RateSlot | None]:
         yield slot
     finally:
         _rate_slot.reset(token)
+
+
+def current_rate() -> RateSlot | None:
+    """The rate admission of the running call, if it has a rate limit (``lock_rate``)."""
+    return _rate_slot.get()
 
 
 def back_off(seconds: float) -> float:

@@ -122,21 +122,24 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
     trip); one over the limit goes to :meth:`Guard.rate_limited`, and an
     admission whose lock is then refused is taken back.
     """
-    slot: RateSlot | None = None
+    limiter: RateLimiter | None = None
     verdict: RateVerdict | None = None
     try:
         if call.rate_key is not None:
-            slot = RateSlot(call.rate_key, guard.rate_limiter(call))
-            verdict = slot.limiter.acquire(call.rate_key, call.call_id)
+            limiter = guard.rate_limiter(call)
+            verdict = limiter.acquire(call.rate_key, call.call_id)
         if verdict is None or verdict.admitted:
             lock = guard.new_lock(call)
             acquired = lock.acquire(token=call.token)
     except RedisError as exc:
         return run_unprotected(guard, call, exc, body)
-    if verdict is not None and not verdict.admitted:
-        return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
+    slot = None
+    if limiter is not None and verdict is not None and call.rate_key is not None:
+        if not verdict.admitted:
+            return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
+        slot = RateSlot(call.rate_key, limiter, verdict)
     if not acquired:
-        _refund(slot, verdict)
+        _refund(slot)
         return guard.refused(call, lock)  # type: ignore[no-any-return]
     lease = lock.lease
     guard.acquired(call, lease)
@@ -148,12 +151,12 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         guard.release(call, lock, lease)
 
 
-def _refund(slot: RateSlot | None, verdict: RateVerdict | None) -> None:
+def _refund(slot: RateSlot | None) -> None:
     """Give back a rate admission whose call did not start; a failure only wastes the slot."""
-    if slot is None or verdict is None:
+    if slot is None:
         return
     try:
-        slot.limiter.refund(slot.key, verdict)
+        slot.limiter.refund(slot.key, slot.verdict)
     except RedisError as exc:
         logger.warning("could not give back a slot of %s (%s)", slot.key, describe_error(exc))
 
