@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 
 from tests.celery_harness import History
-from tests.integration.celery.test_storms import submit, wait_for_states
+from tests.integration.celery.test_storms import wait_for_states
 
 if TYPE_CHECKING:
     from tests.integration.celery.conftest import WorkerFactory
