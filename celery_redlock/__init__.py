@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .calls.context import current_lock
+    from .calls.context import back_off, current_lock, current_rate
     from .celery.install import install
     from .celery.result import SKIPPED
     from .celery.task import SingletonTask
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         LockNotAcquired,
         LockNotOwned,
         QuorumNotAchieved,
+        RateLimited,
         RedlockError,
     )
     from .core.lease import Lease
@@ -57,6 +58,7 @@ __all__ = [
     "LockNotOwned",
     "PermitLease",
     "QuorumNotAchieved",
+    "RateLimited",
     "Redlock",
     "RedlockError",
     "RedlockLease",
@@ -64,7 +66,9 @@ __all__ = [
     "SingletonTask",
     "Watchdog",
     "__version__",
+    "back_off",
     "current_lock",
+    "current_rate",
     "default_watchdog",
     "fence_key_for",
     "install",
@@ -78,7 +82,9 @@ _HOMES = {
     "SKIPPED": "celery.result",
     "SingletonTask": "celery.task",
     "install": "celery.install",
+    "back_off": "calls.context",
     "current_lock": "calls.context",
+    "current_rate": "calls.context",
     "singleton": "functions.decorator",
     "Lease": "core.lease",
     "Lock": "core.lock",
@@ -99,6 +105,7 @@ _HOMES = {
             "LockNotAcquired",
             "LockNotOwned",
             "QuorumNotAchieved",
+            "RateLimited",
             "RedlockError",
         ),
         "core.exceptions",

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 
-__all__ = ["current_lock", "holding"]
+__all__ = ["RateSlot", "back_off", "current_lock", "current_rate", "holding", "rated"]
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_redlock_current_lock", default=None
@@ -39,3 +41,57 @@ def holding(lease: Lease) -> Iterator[Lease]:
         yield lease
     finally:
         _current.reset(token)
+
+
+@dataclass(frozen=True)
+class RateSlot:
+    """The rate key the running call was admitted to, the limiter, and its admission.
+
+    Attributes:
+        key: The rate key.
+        limiter: The limiter that admitted the call.
+        verdict: The admission: ``at_ms`` (server time of the start) and ``used``.
+    """
+
+    key: str
+    limiter: RateLimiter
+    verdict: RateVerdict
+
+
+_rate_slot: contextvars.ContextVar[RateSlot | None] = contextvars.ContextVar(
+    "celery_redlock_rate_slot", default=None
+)
+
+
+@contextlib.contextmanager
+def rated(slot: RateSlot | None) -> Iterator[RateSlot | None]:
+    """Make ``slot`` the rate key that :func:`back_off` blocks inside the ``with`` block."""
+    token = _rate_slot.set(slot)
+    try:
+        yield slot
+    finally:
+        _rate_slot.reset(token)
+
+
+def current_rate() -> RateSlot | None:
+    """The rate admission of the running call, if it has a rate limit (``lock_rate``)."""
+    return _rate_slot.get()
+
+
+def back_off(seconds: float) -> float:
+    """Hold back every call with the running call's rate key for ``seconds``.
+
+    For a task told by an upstream to slow down (an HTTP 429 with
+    ``Retry-After``): calls of the same rate key, on every worker, are refused
+    until then and come back when the block ends (``lock_on_conflict``). A
+    longer block already in place is kept. Returns how long the block lasts.
+
+    Raises:
+        RuntimeError: Outside a call with a rate limit (``lock_rate``).
+        ValueError: If ``seconds`` is not positive.
+        redis.exceptions.RedisError: When the lock store fails.
+    """
+    slot = _rate_slot.get()
+    if slot is None:
+        raise RuntimeError("back_off() is for the body of a call with a rate limit (lock_rate)")
+    return slot.limiter.back_off(slot.key, seconds)

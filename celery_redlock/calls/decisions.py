@@ -11,13 +11,17 @@ imports a framework.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import LockNotAcquired
+from celery_redlock.core.exceptions import LockNotAcquired, RateLimited
 from celery_redlock.core.holder import Refusal
+from celery_redlock.core.keys import KeyBuilder
+from celery_redlock.core.rate import Rate, RateVerdict
 
 from .options import LockOptions
 
@@ -25,8 +29,12 @@ __all__ = [
     "Decision",
     "decide",
     "gave_up",
+    "log_rate_limited",
     "log_store_failure",
     "not_acquired",
+    "rate_countdown",
+    "rate_keys",
+    "rate_limited",
     "requeue_countdown",
     "requeue_delay",
 ]
@@ -175,3 +183,57 @@ def log_store_failure(
         "running WITHOUT the lock" if action == "run" else action,
     )
     return failure
+
+
+def rate_keys(name: str, run: Callable[..., Any], options: LockOptions) -> KeyBuilder | None:
+    """The builder of a call's rate keys, or ``None`` without a rate limit.
+
+    Rate keys are ``<prefix>:rate:v1:{<name>:<digest>}``: of ``rate_key``'s
+    arguments, else of the lock key's, so by default one rate key per lock key.
+
+    Raises:
+        ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run`` does not take.
+    """
+    if options.rate is None:
+        return None
+    if options.rate_key is None:
+        return KeyBuilder(name, run, options.key, f"{options.key_prefix}:rate")
+    prefix = f"{options.key_prefix}:rate"
+    return KeyBuilder(name, run, options.rate_key, prefix, option="lock_rate_key")
+
+
+def rate_countdown(options: LockOptions, verdict: RateVerdict, draw: float) -> float:
+    """When a call over its rate limit comes back: when a slot frees, plus jitter.
+
+    The jitter (up to ``requeue_jitter`` of the window, ``draw`` in [0, 1))
+    spreads the calls refused together over the window, so they do not all
+    return at the instant one slot frees.
+    """
+    assert options.rate is not None
+    return verdict.wait + 0.001 + draw * options.requeue_jitter * options.rate.window
+
+
+def rate_limited(what: str, key: str, rate: Rate, verdict: RateVerdict) -> RateLimited:
+    """The error of a call not run because rate key ``key`` had no free slot."""
+    why = "is backed off" if verdict.backed_off else f"used {verdict.used}/{verdict.limit}"
+    return RateLimited(
+        f"{what} not run: rate {rate} of {key} {why}; a slot frees in {verdict.wait:.3f}s",
+        lock_name=key,
+        retry_after=verdict.wait,
+    )
+
+
+def log_rate_limited(
+    call: Any, rate: Rate, verdict: RateVerdict, action: str, log: logging.Logger = logger
+) -> None:
+    """Log (INFO) that ``call`` (a guarded ``Call``) found its rate key used up, and its action."""
+    log.info(
+        "%s: rate %s of %s is used up (%d/%d%s); %s",
+        call.label,
+        rate,
+        call.rate_key,
+        verdict.used,
+        verdict.limit,
+        ", backed off" if verdict.backed_off else "",
+        action,
+    )

@@ -21,8 +21,9 @@ from redis.exceptions import RedisError
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotOwned
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 
-from .context import holding
+from .context import RateSlot, holding, rated
 
 __all__ = ["UNPROTECTED", "Call", "Guard", "release_failed", "run_guarded", "run_unprotected"]
 
@@ -44,15 +45,25 @@ class Call:
         label: How log lines name the call (``task add[1f3c]``).
         call_id: The call's id (task or job id), if it has one: a refusal by a
             holder with the same id is the call's own earlier delivery.
+        rate_key: The call's rate key, when it has a rate limit: checked
+            before the lock (see :meth:`Guard.rate_limiter`).
     """
 
-    __slots__ = ("call_id", "key", "label", "token")
+    __slots__ = ("call_id", "key", "label", "rate_key", "token")
 
-    def __init__(self, key: str, token: str, label: str, call_id: str | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        token: str,
+        label: str,
+        call_id: str | None = None,
+        rate_key: str | None = None,
+    ) -> None:
         self.key = key
         self.token = token
         self.label = label
         self.call_id = call_id
+        self.rate_key = rate_key
 
     def __repr__(self) -> str:
         return f"Call({self.key!r}, label={self.label!r}, call_id={self.call_id!r})"
@@ -90,6 +101,14 @@ class Guard(Generic[T]):
         """Resolve a call whose acquire was refused (``lock.refusal`` says by whom)."""
         raise NotImplementedError
 
+    def rate_limiter(self, call: Call) -> RateLimiter:
+        """The limiter of a call with a ``rate_key`` (may raise ``RedisError``)."""
+        raise NotImplementedError
+
+    def rate_limited(self, call: Call, verdict: RateVerdict) -> T:
+        """Resolve a call over its rate limit (``verdict.wait``: seconds until a slot frees)."""
+        raise NotImplementedError
+
     def store_failed(self, call: Call, exc: RedisError) -> T:
         """Resolve a call whose store failed: return its result, :data:`UNPROTECTED`, or raise."""
         raise exc
@@ -115,7 +134,14 @@ class Guard(Generic[T]):
 
 
 def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
-    """Run ``body`` while holding the lock of ``call``, or let ``guard`` resolve why not."""
+    """Run ``body`` while holding the lock of ``call``, or let ``guard`` resolve why not.
+
+    A call with a rate key is first admitted by its rate limit (see
+    :func:`_run_rated`); without one this is the plain path, and the rate
+    costs it one test.
+    """
+    if call.rate_key is not None:
+        return _run_rated(guard, call, call.rate_key, body)
     try:
         lock = guard.new_lock(call)
         acquired = lock.acquire(token=call.token)
@@ -131,6 +157,45 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
             return body()
     finally:
         guard.release(call, lock, lease)
+
+
+def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], T]) -> T:
+    """:func:`run_guarded` for a call with a rate key: admitted by its limit, then locked.
+
+    The admission is one round trip; a call over the limit goes to
+    :meth:`Guard.rate_limited`, and an admission whose lock is then refused is
+    taken back.
+    """
+    try:
+        limiter = guard.rate_limiter(call)
+        verdict = limiter.acquire(rate_key, call.call_id)
+        if verdict.admitted:
+            lock = guard.new_lock(call)
+            acquired = lock.acquire(token=call.token)
+    except RedisError as exc:
+        return run_unprotected(guard, call, exc, body)
+    if not verdict.admitted:
+        return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
+    slot = RateSlot(rate_key, limiter, verdict)
+    if not acquired:
+        _refund(slot)
+        return guard.refused(call, lock)  # type: ignore[no-any-return]
+    lease = lock.lease
+    guard.acquired(call, lease)
+    try:
+        with holding(lease), rated(slot):
+            guard.starting(call, lease)
+            return body()
+    finally:
+        guard.release(call, lock, lease)
+
+
+def _refund(slot: RateSlot) -> None:
+    """Give back a rate admission whose call did not start; a failure only wastes the slot."""
+    try:
+        slot.limiter.refund(slot.key, slot.verdict)
+    except RedisError as exc:
+        logger.warning("could not give back a slot of %s (%s)", slot.key, describe_error(exc))
 
 
 def run_unprotected(guard: Guard[Any], call: Call, exc: RedisError, body: Callable[[], T]) -> T:

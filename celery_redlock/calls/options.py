@@ -20,6 +20,7 @@ from typing import Any
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeySpec
 from celery_redlock.core.permit import check_limit
+from celery_redlock.core.rate import Rate, parse_rate
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -150,6 +151,15 @@ def _prefix(setting: str, value: Any) -> str:
     return value
 
 
+def _rate(setting: str, value: Any) -> Rate | None:
+    if value is None:
+        return None
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise ConfigurationError(setting, value, str(exc)) from None
+
+
 def _option(default: Any, validator: Validator, app_wide: bool = True) -> Any:
     """A :class:`LockOptions` field: default, validator, and whether ``redlock_<name>`` sets it."""
     return field(default=default, metadata={"validate": validator, "app_wide": app_wide})
@@ -178,6 +188,10 @@ class LockOptions:
         limit: Most calls with the same key running at once: 1 is a lock, more
             a semaphore of that many permits (``while_executing`` only; see
             docs/limits.md).
+        rate: At most this many starts per window and rate key (``"100/m"``,
+            ``"20/s"``, ``"10/5s"``), or ``None``: see docs/limits.md.
+        rate_key: Which arguments make the rate key (like ``key``); ``None``:
+            the same as the lock key.
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -193,6 +207,8 @@ class LockOptions:
     on_duplicate: OnDuplicate = _option(OnDuplicate.RETURN_EXISTING, _choice(OnDuplicate))
     enqueue_ttl: float = _option(600.0, _seconds)
     limit: int = _option(1, _limit)
+    rate: Rate | None = _option(None, _rate, app_wide=False)
+    rate_key: KeySpec = _option(None, _key_spec, app_wide=False)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,7 +17,6 @@ from typing import Any, NoReturn, TypeVar
 
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
-from celery.states import READY_STATES
 from redis.exceptions import RedisError
 
 from celery_redlock.calls.context import current_lock
@@ -26,8 +24,12 @@ from celery_redlock.calls.decisions import (
     Decision,
     decide,
     gave_up,
+    log_rate_limited,
     log_store_failure,
     not_acquired,
+    rate_countdown,
+    rate_keys,
+    rate_limited,
     requeue_countdown,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
@@ -38,11 +40,12 @@ from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
 from . import signals
 from .messages import REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
-from .result import SKIPPED
+from .result import SKIPPED, already_done
 
 __all__ = [
     "TaskGuard",
@@ -54,11 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-#: Seconds such a copy, once it holds the lock, waits for the earlier delivery's
-#: result to appear before running the task itself.
-RESULT_GRACE = 1.0
-RESULT_POLL = 0.02
 
 T = TypeVar("T")
 
@@ -130,6 +128,8 @@ class TaskGuard(Guard[Any]):
         self.store = store
         self.queue = queue
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
+        self.rate_keys = rate_keys(task.name, task.run, options)
+        self._limiter: RateLimiter | None = None
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
@@ -160,7 +160,32 @@ class TaskGuard(Guard[Any]):
         label = f"task {task.name}[{request.id}]"
         call = TaskCall(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
         call.met_itself = self._met_itself(request)
+        if self.rate_keys is not None:
+            call.rate_key = self.rate_keys.key_for(args, kwargs)
         return call
+
+    def rate_limiter(self, call: Call) -> RateLimiter:
+        """The task's limiter, on the lock store's client (built on first use)."""
+        if self._limiter is None:
+            assert self.options.rate is not None  # only calls with a rate key get here
+            self._limiter = RateLimiter(self.store.client, self.options.rate)
+        return self._limiter
+
+    def rate_limited(self, call: Call, verdict: RateVerdict) -> NoReturn:
+        """Requeue until a slot frees (not counted as a retry or requeue), skip, or raise."""
+        assert call.rate_key is not None and self.options.rate is not None
+        request = self.task.request
+        action = str(self.options.on_conflict)
+        if action == "requeue" and request.is_eager:
+            action = "raise"
+        log_rate_limited(call, self.options.rate, verdict, action, logger)
+        if action == "requeue":
+            delay = rate_countdown(self.options, verdict, random.random())
+            self._requeue(call.rate_key, Refusal(), Decision("requeue"), delay=delay)
+        if action == "skip":
+            self._record_skip(call.rate_key, None, reason="rate")
+            raise Ignore()
+        raise rate_limited(call.label, call.rate_key, self.options.rate, verdict)
 
     def new_lock(self, call: Call) -> AdmissionLock:
         """Build the lock one run takes: a lock, or a semaphore permit under ``lock_limit``.
@@ -201,7 +226,7 @@ class TaskGuard(Guard[Any]):
 
     def starting(self, call: Call, lease: Lease) -> None:
         """Drop a requeued copy of a call whose earlier delivery finished meanwhile."""
-        if getattr(call, "met_itself", False) and self._already_done(self.task.request.id):
+        if getattr(call, "met_itself", False) and already_done(self.task, self.task.request.id):
             logger.info("%s: an earlier delivery already ran it; dropping", call.label)
             raise Ignore()
 
@@ -290,6 +315,7 @@ class TaskGuard(Guard[Any]):
         decision: Decision,
         recheck: bool = True,
         unreachable: RedisError | None = None,
+        delay: float | None = None,
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
 
@@ -305,9 +331,11 @@ class TaskGuard(Guard[Any]):
                 if the holder turns out to have finished the task.
                 ``unreachable`` is the error of a lock store that could not be
                 reached, when that (not a holder) is why the call is requeued.
+                A ``delay`` given (a rate limit's exact wait) is used as it is,
+                and the requeue is not counted against ``max_requeues``.
         """
         request = self.task.request
-        attempt = requeues_of(request) + 1
+        attempt = requeues_of(request) + (1 if delay is None else 0)
         if request.is_eager:
             raise LockNotAcquired(
                 f"{self._label()} runs eagerly and cannot be requeued: lock {key} is held by "
@@ -316,9 +344,10 @@ class TaskGuard(Guard[Any]):
                 holder=refusal.holder_id,
                 holder_ttl=refusal.ttl,
             )
-        if attempt > self.options.max_requeues and not decision.own:
-            raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
-        delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
+        if delay is None:
+            if attempt > self.options.max_requeues and not decision.own:
+                raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
+            delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         own = decision.own
         headers = dict(request.headers or {})
         retries = request.retries or 0
@@ -361,7 +390,7 @@ class TaskGuard(Guard[Any]):
             f"could not requeue for lock {key}: {describe_error(exc)}", lock_name=key
         ) from exc
 
-    def _record_skip(self, key: str, holder: Holder | None) -> None:
+    def _record_skip(self, key: str, holder: Holder | None, reason: str = "duplicate") -> None:
         task, request = self.task, self.task.request
         if task.ignore_result or isinstance(task.backend, DisabledBackend):
             return
@@ -369,7 +398,7 @@ class TaskGuard(Guard[Any]):
             task.update_state(
                 state=SKIPPED,
                 meta={
-                    "reason": "duplicate",
+                    "reason": reason,
                     "key": key,
                     "holder": holder.task_id if holder else None,
                     "holder_hostname": holder.hostname if holder else None,
@@ -387,28 +416,6 @@ class TaskGuard(Guard[Any]):
         """
         marked = header_of(request, SELF_HEADER)
         return marked is not None and marked == (request.retries or 0)
-
-    def _already_done(self, task_id: str) -> bool:
-        """Whether an earlier delivery of ``task_id`` finished, by its stored state.
-
-        That delivery releases its lock just before Celery stores its result,
-        so a copy that took the lock in between would see no result yet and
-        run the task again: a state that is not ready is read again for up to
-        :data:`RESULT_GRACE` seconds. Only a delivery that died (no result,
-        ever) costs the copy that wait.
-        """
-        if isinstance(self.task.backend, DisabledBackend):
-            return False
-        deadline = time.monotonic() + RESULT_GRACE
-        while True:
-            try:
-                if self.task.AsyncResult(task_id).state in READY_STATES:
-                    return True
-            except Exception:
-                return False
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(RESULT_POLL)
 
     def store_failed(self, call: Call, exc: RedisError) -> Any:
         """Apply ``on_redis_error``: run without the lock, requeue, or raise :class:`LockError`."""

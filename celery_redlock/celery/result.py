@@ -14,12 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as ResultTimeout
 from celery.result import AsyncResult
+from celery.states import READY_STATES
 
 from celery_redlock.core.exceptions import DuplicateSkipped
 
-__all__ = ["SKIPPED", "SingletonResult", "skipped_error"]
+__all__ = ["RESULT_GRACE", "SKIPPED", "SingletonResult", "already_done", "skipped_error"]
 
 #: Task state recorded for a call skipped because a duplicate held the lock.
 #: Not a Celery ready state: :meth:`SingletonResult.get` raises
@@ -30,6 +32,11 @@ SKIPPED = "SKIPPED"
 # recorded within milliseconds of the publish, a real result may take minutes.
 _FIRST_WAIT = 0.05
 _LONGEST_WAIT = 1.0
+
+#: Seconds a copy that met its own task's lock, once it holds the lock, waits
+#: for the earlier delivery's result to appear before running the task itself.
+RESULT_GRACE = 1.0
+RESULT_POLL = 0.02
 
 
 def skipped_error(task_id: str, info: Any) -> DuplicateSkipped:
@@ -81,3 +88,26 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
                 if left is not None and left <= step:
                     raise
             wait = min(wait * 2, _LONGEST_WAIT)
+
+
+def already_done(task: Any, task_id: str) -> bool:
+    """Whether an earlier delivery of ``task_id`` of ``task`` finished, by its stored state.
+
+    That delivery releases its lock just before Celery stores its result,
+    so a copy that took the lock in between would see no result yet and
+    run the task again: a state that is not ready is read again for up to
+    :data:`RESULT_GRACE` seconds. Only a delivery that died (no result,
+    ever) costs the copy that wait.
+    """
+    if isinstance(task.backend, DisabledBackend):
+        return False
+    deadline = time.monotonic() + RESULT_GRACE
+    while True:
+        try:
+            if task.AsyncResult(task_id).state in READY_STATES:
+                return True
+        except Exception:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(RESULT_POLL)

@@ -13,6 +13,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict, closest_option
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.store import parse_store, redact_url
@@ -23,6 +24,7 @@ __all__ = [
     "SETTINGS",
     "check_limit_store",
     "check_mode_store",
+    "check_rate",
     "check_settings",
     "flag",
     "lock_url",
@@ -351,3 +353,28 @@ def lock_url(conf: Mapping[str, Any]) -> str:
         ConfigurationError: If neither ``redlock_url`` nor the broker gives a lock store.
     """
     return parse_store(conf).describe()
+
+
+def check_rate(task: Any, options: LockOptions, conf: Mapping[str, Any]) -> None:
+    """Refuse a rate limit this task cannot have; build its rate keys once to check them.
+
+    Raises:
+        ConfigurationError: Naming ``lock_rate`` (an enqueue mode, or a store of
+            several Redlock masters, where one sliding window cannot be kept
+            exactly) or ``lock_rate_key`` (an argument the task does not take).
+    """
+    if options.rate is None:
+        return
+    setting = f"{task.name}.lock_rate"
+    if options.mode is not Mode.WHILE_EXECUTING:
+        raise ConfigurationError(
+            setting, str(options.rate), f"needs lock_mode 'while_executing', not {options.mode!r}"
+        )
+    if parse_store(conf).topology == "redlock":
+        raise ConfigurationError(
+            setting,
+            str(options.rate),
+            "needs a lock store on one Redis, Sentinel or Cluster; redlock_url lists "
+            "several masters (Redlock)",
+        )
+    rate_keys(task.name, task.run, options)

@@ -19,6 +19,7 @@ from .result import SingletonResult
 from .settings import (
     check_limit_store,
     check_mode_store,
+    check_rate,
     lock_url,
     resolve,
     unknown_task_options,
@@ -54,6 +55,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_limit: Most calls with the same key running at once (default 1);
             above 1 each call takes one permit of a semaphore, and the call
             beyond the limit meets ``lock_on_conflict`` (see docs/limits.md).
+        lock_rate: At most this many starts per window and rate key:
+            ``"100/m"``, ``"20/s"``, ``"5/h"``, ``"10/5s"`` (see docs/limits.md).
+        lock_rate_key: Argument names or ``(args, kwargs) -> str`` making the
+            rate key; ``None``: the same arguments as the lock key.
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -69,6 +74,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_on_duplicate: ClassVar[str | None] = None
     lock_enqueue_ttl: ClassVar[float | None] = None
     lock_limit: ClassVar[int | None] = None
+    lock_rate: ClassVar[str | None] = None
+    lock_rate_key: ClassVar[KeySpec] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True
@@ -106,6 +113,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         limit_from = f"{cls.name}.lock_limit" if cls.lock_limit is not None else "redlock_limit"
         check_limit_store(limit_from, options, conf)
         KeyBuilder(cls.name, cls.run, options.key, options.key_prefix)
+        check_rate(cls, options, conf)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task under its lock; a direct call (``task(...)``) runs it plainly."""

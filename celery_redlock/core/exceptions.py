@@ -21,6 +21,7 @@ __all__ = [
     "LockNotAcquired",
     "LockNotOwned",
     "QuorumNotAchieved",
+    "RateLimited",
     "RedlockError",
 ]
 
@@ -96,6 +97,18 @@ class LockNotAcquired(LockError):
         super().__init__(message, lock_name=lock_name)
         self.holder = holder
         self.holder_ttl = holder_ttl
+
+
+class RateLimited(LockNotAcquired):
+    """A call was not started: its rate key had no free slot (or was backed off).
+
+    Attributes:
+        retry_after: Seconds until a slot frees.
+    """
+
+    def __init__(self, message: str, lock_name: str | None = None, *, retry_after: float) -> None:
+        super().__init__(message, lock_name=lock_name)
+        self.retry_after = retry_after
 
 
 class DuplicateTask(LockNotAcquired):

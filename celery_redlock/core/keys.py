@@ -103,12 +103,20 @@ class KeyBuilder:
         run: The task's body, whose signature arguments are bound to.
         spec: Which arguments make the key (see :data:`KeySpec`).
         prefix: The key prefix (``redlock_key_prefix``).
+        option: The option ``spec`` came from, as errors name it (``lock_key``).
 
     Raises:
         ConfigurationError: If ``spec`` names an argument ``run`` does not take.
     """
 
-    def __init__(self, task_name: str, run: Callable[..., Any], spec: KeySpec, prefix: str) -> None:
+    def __init__(
+        self,
+        task_name: str,
+        run: Callable[..., Any],
+        spec: KeySpec,
+        prefix: str,
+        option: str = "lock_key",
+    ) -> None:
         self.task_name = task_name
         self.spec = spec
         self.prefix = prefix
@@ -131,7 +139,7 @@ class KeyBuilder:
                 unknown = [n for n in names if n not in self.signature.parameters]
                 if unknown:
                     raise ConfigurationError(
-                        f"{task_name}.lock_key",
+                        f"{task_name}.{option}",
                         spec,
                         f"names {unknown} that the task does not take "
                         f"(its arguments: {list(self.signature.parameters)})",

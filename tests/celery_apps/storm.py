@@ -44,7 +44,7 @@ import redis
 from celery import Celery, Task, bootsteps
 
 from celery_redlock import SingletonTask, current_lock, install
-from tests.celery_apps import limits, modes
+from tests.celery_apps import limits, modes, rates
 from tests.celery_harness import HistoryRecorder, UnlockedLease, record_execution, wait_for_gate
 
 __all__ = ["GATE_TIMEOUT", "create_app", "environment"]
@@ -142,6 +142,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     _register_plain_tasks(app)
     modes.register(app)
     limits.register(app)
+    rates.register(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
