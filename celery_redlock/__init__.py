@@ -18,6 +18,7 @@ from .exceptions import (
     LockNotOwned,
     QuorumNotAchieved,
     RedlockError,
+    ReplicationError,
 )
 from .guard import SKIPPED, current_lock
 from .install import install
@@ -40,6 +41,7 @@ __all__ = [
     "Redlock",
     "RedlockError",
     "RedlockLease",
+    "ReplicationError",
     "SingletonTask",
     "Watchdog",
     "__version__",

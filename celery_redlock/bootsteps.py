@@ -26,6 +26,7 @@ from .exceptions import ConfigurationError
 from .inventory import clients_of
 from .queues import QueueLocks, check_guarded_tasks, lock_plain_tasks, register
 from .recovery import lock_prefixes, recover_stale
+from .replica_settings import replica_warnings
 from .store import redact_url, store_for
 
 __all__ = ["RedlockStep", "check_lock_store", "prepare_worker", "recover_at_start"]
@@ -107,6 +108,7 @@ def check_lock_store(app: Any) -> str:
     address = store.spec.describe()
     try:
         masters = store.masters()
+        needed = store.min_replicas()
     except RedisError as exc:
         logger.error("celery-redlock: lock store %s is unreachable: %r", address, exc)
         return f"lock store {address} is unreachable: {exc!r}"
@@ -129,13 +131,27 @@ def check_lock_store(app: Any) -> str:
                 policy,
             )
             problems.append(f"WARNING: {name} has maxmemory-policy {policy}, which can evict locks")
+        problems += _replica_problems(client, name, needed)
     if not versions:
         return f"lock store {address} is unreachable: {'; '.join(problems)}"
     summary = f"lock store {address} (Redis {', '.join(sorted(set(versions)))}) answers"
+    if needed:
+        summary += f"; each lock is confirmed by {needed} replica(s)"
     if problems:
         summary += "; " + "; ".join(problems)
     logger.info("celery-redlock: %s", summary)
     return summary
+
+
+def _replica_problems(client: Any, name: str, needed: int) -> list[str]:
+    """Warn about a master that cannot confirm locks with ``needed`` replicas now."""
+    try:
+        found = replica_warnings(client, name, needed)
+    except RedisError as exc:
+        found = [f"{name}: could not read its replicas: {exc!r}"]
+    for problem in found:
+        logger.warning("celery-redlock: lock store master %s", problem)
+    return [f"WARNING: {problem}" for problem in found]
 
 
 def _name(client: Any) -> str:

@@ -160,6 +160,8 @@ OPTIONS: Mapping[str, tuple[Validator, bool]] = {
 SETTINGS = frozenset(
     {
         "redlock_url",
+        "redlock_min_replicas",
+        "redlock_replica_timeout",
         "redlock_queues",
         "redlock_transport_options",
         "redlock_recover_stale",

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from . import signals
 from .conf import LockOptions, resolve
 from .context import current_lock, holding
-from .exceptions import LockError, LockNotAcquired, LockNotOwned
+from .exceptions import LockError, LockNotAcquired, LockNotOwned, ReplicationError
 from .holder import Holder, queue_of
 from .keys import KeyBuilder
 from .lock import Lease, Lock
@@ -417,6 +417,8 @@ class TaskGuard:
         # A server that answered with an error (ACL, wrong type, out of memory)
         # was reached: say so, it needs a different fix than an outage.
         failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
+        if isinstance(exc, ReplicationError):
+            failure = "could not have the lock confirmed by its replicas"
         logger.warning(
             "task %s[%s]: lock store %s for %s (%r); %s",
             task.name,

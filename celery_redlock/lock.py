@@ -22,7 +22,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar, Union
 
+from . import replication as replicated
 from .exceptions import ConfigurationError, LockError, LockNotAcquired, LockNotOwned
+from .replication import Replication
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -148,6 +150,8 @@ class LockSettings:
         drift_factor: float,
         clock: Clock,
         label: str | None,
+        min_replicas: int = 0,
+        replica_timeout: Number | None = None,
     ) -> None:
         self.timeout = check_options(
             timeout=timeout,
@@ -173,6 +177,10 @@ class LockSettings:
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label
+        #: How many replicas confirm each acquisition and renewal, or ``None``.
+        self.replication = replicated.replication_for(
+            min_replicas, replica_timeout, self.timeout, redis
+        )
 
 
 class Lease:
@@ -188,6 +196,7 @@ class Lease:
         fence: The fencing token of this acquisition, or ``None`` without fencing.
         ttl: The lock's time to live in seconds, or ``None`` if it never expires.
         renewals: How many times the watchdog has renewed the lease.
+        replication: How many replicas must confirm its renewals, or ``None``.
         lost: ``True`` once the lease is known not to hold the lock any more.
         loss_reason: Why the lease was lost, when it was.
         released: ``True`` once the holder started releasing it.
@@ -213,6 +222,7 @@ class Lease:
         "on_lost",
         "released",
         "renewals",
+        "replication",
         "token",
         "ttl",
     )
@@ -231,9 +241,11 @@ class Lease:
         on_lost: LostCallback | None = None,
         owner: object | None = None,
         label: str | None = None,
+        replication: Replication | None = None,
     ) -> None:
         self.client = client
         self.label = label
+        self.replication = replication
         self.name = name
         self.token = token
         self.fence = fence
@@ -383,6 +395,13 @@ class Lock(LockSettings):
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).
         clock: Monotonic clock in seconds; injectable for tests.
+        min_replicas: Replicas that must acknowledge each acquisition and
+            renewal (``WAIT``, in the same round trip) before it counts; with
+            fewer the acquisition is given back and ``ReplicationError`` raised.
+            Fences are then never below the server clock in microseconds, so
+            they do not repeat after a failover. 0 (the default) sends no ``WAIT``.
+        replica_timeout: Longest wait for those acknowledgements, in seconds
+            (default: 0.5, or a tenth of ``timeout`` when that is shorter).
 
     Raises:
         ConfigurationError: If an argument is out of range, naming it.
@@ -408,6 +427,8 @@ class Lock(LockSettings):
         watchdog: Watchdog | None = None,
         clock: Clock = time.monotonic,
         label: str | None = None,
+        min_replicas: int = 0,
+        replica_timeout: Number | None = None,
     ) -> None:
         self._configure(
             redis,
@@ -426,6 +447,8 @@ class Lock(LockSettings):
             drift_factor=drift_factor,
             clock=clock,
             label=label,
+            min_replicas=min_replicas,
+            replica_timeout=replica_timeout,
         )
         self._watchdog = watchdog
         self.local: _ThreadState | _SharedState = (
@@ -479,6 +502,9 @@ class Lock(LockSettings):
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
+            ReplicationError: With ``min_replicas``, when too few replicas
+                acknowledged the lock (it was given back) or the server
+                refused it as a replica; a ``RedisError`` too.
         """
         if sleep is None:
             sleep = self.sleep
@@ -519,12 +545,20 @@ class Lock(LockSettings):
         """Make one attempt; on success store the new :class:`Lease` for this thread."""
         sent_at = self._clock()
         fence: int | None = None
-        if self.fencing:
-            reply = ACQUIRE(
-                self.redis,
-                (self.name, self.fence_key),
-                (token, self._ttl_ms, self._fence_retention_ms, "0"),
-            )
+        if self.fencing or self.replication is not None:
+            keys = (self.name, self.fence_key)
+            if self.replication is None:
+                reply = ACQUIRE(
+                    self.redis, keys, (token, self._ttl_ms, self._fence_retention_ms, "0")
+                )
+            else:
+                reply = replicated.acquire(
+                    self.redis,
+                    keys,
+                    (token, self._ttl_ms, self._fence_retention_ms, "0", "1"),
+                    self.replication,
+                    self.label,
+                )
             if isinstance(reply, list):
                 holder_ttl_ms, holder = reply
                 self.local.holder = (
@@ -532,7 +566,7 @@ class Lock(LockSettings):
                     holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
                 )
                 return False
-            fence = int(reply)
+            fence = int(reply) if self.fencing else None
         elif not self.redis.set(self.name, token, nx=True, px=self._ttl_ms or None):
             self.local.holder = None
             return False
@@ -556,6 +590,7 @@ class Lock(LockSettings):
             on_lost=self.on_lost,
             owner=self,
             label=self.label,
+            replication=self.replication,
         )
 
     def locked(self) -> bool:
@@ -695,7 +730,13 @@ class Lock(LockSettings):
         token = self.local.token
         assert lease is not None and token is not None
         sent_at = self._clock()
-        (pttl_ms,) = RENEW(self.redis, (self.name,), ("1" if replace else "0", token, ms))
+        args = ("1" if replace else "0", token, ms)
+        if self.replication is None:
+            (pttl_ms,) = RENEW(self.redis, (self.name,), args)
+        else:
+            (pttl_ms,) = replicated.renew(
+                self.redis, (self.name,), args, self.replication, self.label
+            )
         if not pttl_ms:
             lease.mark_lost(f"not owned at {operation}")
             raise LockNotOwned(

@@ -32,6 +32,7 @@ __all__ = [
     "RENEW",
     "RESERVE",
     "Script",
+    "drop_connections",
 ]
 
 Arg = Union[str, bytes, int, float]
@@ -156,8 +157,18 @@ class Script:
         #: default).
         self.check_connection = check_connection
 
-    def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def __call__(
+        self,
+        client: Any,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        then: Sequence[Arg] | None = None,
+    ) -> Any:
         """Run the script on ``client`` (a redis-py client) and return its reply.
+
+        ``then`` is a command (``WAIT``) sent in the same write, right behind
+        the script on the same connection; the reply is then the pair of both
+        replies. It needs a client with a connection pool.
 
         Raises:
             redis.exceptions.RedisError: Whatever the server or connection raises,
@@ -168,6 +179,8 @@ class Script:
         # A single-connection client owns its connection (client.connection);
         # Cluster clients have no pool: both go through redis-py.
         if pool is None or getattr(client, "connection", None) is not None:
+            if then is not None:
+                raise TypeError(f"{self!r}: a pipelined command needs a pooled client")
             try:
                 return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             except NoScriptError:
@@ -183,21 +196,23 @@ class Script:
                 try:
                     if reserved.connection is None:
                         reserved.connection = _checkout(pool)
-                    return self._exchange(reserved.connection, keys, args)
+                    return self._exchange(reserved.connection, keys, args, then)
                 finally:
                     reserved.busy.release()
         connection = _checkout(pool)
         try:
-            return self._exchange(connection, keys, args)
+            return self._exchange(connection, keys, args, then)
         finally:
             pool.release(connection)
 
-    def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def _exchange(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+    ) -> Any:
         try:
             if self.check_connection:
                 _reconnect_if_closed(connection)
             try:
-                return self._run(connection, keys, args)
+                return self._run(connection, keys, args, then)
             except RedisConnectionError:
                 # A connection the server closed (a restart, an idle timeout)
                 # fails on first use, often only when the reply is read; like
@@ -212,7 +227,7 @@ class Script:
                 # current master in connect() only; the lazy connect of the next
                 # send would return to the demoted one.
                 connection.connect()
-                return self._run(connection, keys, resent_args)
+                return self._run(connection, keys, resent_args, then)
         except ResponseError:
             raise  # the server answered: the connection is in a clean state
         except BaseException:
@@ -221,13 +236,35 @@ class Script:
             connection.disconnect()
             raise
 
-    def _run(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def _run(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+    ) -> Any:
+        if then is not None:
+            return self._run_then(connection, keys, args, then)
         connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
+
+    def _run_then(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg]
+    ) -> tuple[Any, Any]:
+        # One write, two replies. Both are read before an error is raised, so
+        # the connection owes nothing afterwards.
+        for command, script in (("EVALSHA", self.sha), ("EVAL", self.source)):
+            packed = connection.pack_commands(
+                [(command, script, len(keys), *keys, *args), tuple(then)]
+            )
+            connection.send_packed_command(packed)
+            reply, after = _reply_or_error(connection), _reply_or_error(connection)
+            if not isinstance(reply, NoScriptError):
+                break
+        for value in (reply, after):
+            if isinstance(value, ResponseError):
+                raise value
+        return reply, after
 
     def send(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run the script with ``EVAL``, source included, and return its reply.
@@ -247,9 +284,35 @@ class Script:
         return f"<Script {self.name} {self.sha[:8]}>"
 
 
+def _reply_or_error(connection: Any) -> Any:
+    try:
+        return connection.read_response()
+    except ResponseError as exc:
+        return exc
+
+
+def drop_connections(client: Any) -> None:
+    """Close ``client``'s idle connections, the one kept checked out included.
+
+    Each reconnects on its next use: a Sentinel client then asks the Sentinels
+    for the current master instead of writing on to the one it knew.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return
+    reserved = _reserved.get(pool)
+    if reserved is not None and reserved.busy.acquire(blocking=False):
+        try:
+            if reserved.connection is not None:
+                reserved.connection.disconnect()
+        finally:
+            reserved.busy.release()
+    pool.disconnect(inuse_connections=False)
+
+
 def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
     # The first send may have taken the lock: let the resend find it ours.
-    return (*args[:3], "1")
+    return (*args[:3], "1", *args[4:])
 
 
 # Take the lock and draw a fence in one round trip.
@@ -261,6 +324,8 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
 # ARGV[4]  "0" on the first send; "1" when this same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
+# ARGV[5]  (optional) "1": no fence below the server clock in microseconds
+#          (replicated acquisition, see below)
 # Returns  the fence (an integer > 0) when the lock was taken (or, with ARGV[4]
 #          "1", already held with ARGV[1]), otherwise the table
 #          {holder's PTTL in ms (-1: no expiry), holder's value}.
@@ -272,6 +337,12 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # keys never pile up. Each draw renews the key's expiry, so a name in use never
 # reseeds: in steady state the fence is a plain INCR, which keeps fences
 # strictly increasing even if the server clock steps back.
+#
+# With ARGV[5] "1" every fence is also at least the server clock in
+# microseconds. A replica promoted by a failover may hold a counter behind the
+# old master's (draws that never replicated): its first fences then start from
+# its clock, above every fence handed out before the failover, instead of
+# repeating them.
 ACQUIRE = Script(
     "acquire",
     """
@@ -295,9 +366,13 @@ if not taken then
   end
 end
 local fence = redis.call('INCR', KEYS[2])
-if fence == 1 then
+local floor = 0
+if fence == 1 or ARGV[5] == '1' then
   local now = redis.call('TIME')
-  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+end
+if fence < floor then
+  fence = floor
   redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
 else
   redis.call('PEXPIRE', KEYS[2], ARGV[3])

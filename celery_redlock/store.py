@@ -14,7 +14,9 @@ sentinel    ``sentinel://host:port[;sentinel://host:port]`` and          ``Lock`
 ==========  ==========================================================  ==========
 
 The Sentinel form is kombu's (``broker_url`` plus ``broker_transport_options``),
-so a Sentinel broker can also serve as the lock store. kombu's unix-socket
+so a Sentinel broker can also serve as the lock store. ``redlock_min_replicas``
+and ``redlock_replica_timeout`` say how many replicas confirm each lock (see
+:mod:`celery_redlock.replication`). kombu's unix-socket
 forms ``redis+socket:///path`` and ``socket:///path`` (database in
 ``?virtual_host=N``) are read as ``unix:///path?db=N``. ``rediss+cluster://``
 is the TLS form of the Cluster URL. Parsing does no I/O, so a bad setting is
@@ -27,7 +29,7 @@ import re
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -40,6 +42,7 @@ from redis.sentinel import Sentinel
 from .exceptions import ConfigurationError
 from .lock import Lock
 from .redlock import Redlock
+from .replica_settings import AUTO, MinReplicas, auto_replicas, replication_settings
 from .scripts import RELEASE_HELD_BY
 
 __all__ = [
@@ -92,12 +95,17 @@ class StoreSpec:
         setting: The setting the URLs came from, for messages.
         options: Sentinel options (``master_name``, ``min_other_sentinels``,
             ``sentinel_kwargs``); empty for the other topologies.
+        min_replicas: Replicas that must confirm each lock, or ``"auto"``
+            (decided by the topology on first use: see :func:`auto_replicas`).
+        replica_timeout: Longest wait for them in seconds; ``None``: the lock's default.
     """
 
     topology: str
     urls: tuple[str, ...]
     setting: str = URL_SETTING
     options: Mapping[str, Any] = field(default_factory=dict)
+    min_replicas: MinReplicas = AUTO
+    replica_timeout: float | None = None
 
     def describe(self) -> str:
         """A one-line description without passwords, for messages and logs."""
@@ -116,8 +124,15 @@ def parse_store(conf: Mapping[str, Any]) -> StoreSpec:
 
     Raises:
         ConfigurationError: Naming ``redlock_url`` (or the options setting) and
-            the bad value, when neither gives a usable lock store.
+            the bad value, when neither gives a usable lock store; or naming
+            ``redlock_min_replicas`` or ``redlock_replica_timeout``.
     """
+    spec = _locate(conf)
+    min_replicas, timeout = replication_settings(conf, spec.topology)
+    return replace(spec, min_replicas=min_replicas, replica_timeout=timeout)
+
+
+def _locate(conf: Mapping[str, Any]) -> StoreSpec:
     value = conf.get(URL_SETTING)
     if value is not None:
         return _parse(value, URL_SETTING, conf.get(OPTIONS_SETTING), OPTIONS_SETTING)
@@ -324,6 +339,7 @@ class LockStore:
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
         self._client: Any = None
+        self._min_replicas: int | None = None
         self._guard = threading.Lock()
 
     @property
@@ -365,7 +381,25 @@ class LockStore:
         client = self.client
         if self.spec.topology == "redlock":
             return Redlock(client, name, **kwargs)
+        kwargs.setdefault("min_replicas", self.min_replicas())
+        if self.spec.replica_timeout is not None:
+            kwargs.setdefault("replica_timeout", self.spec.replica_timeout)
         return Lock(client, name, **kwargs)
+
+    def min_replicas(self) -> int:
+        """How many replicas confirm each lock made here; ``"auto"`` asks the topology once.
+
+        Raises:
+            redis.exceptions.RedisError: When ``"auto"`` needs the topology and
+                it cannot be asked (the next call asks again).
+        """
+        if self._min_replicas is None:
+            value = self.spec.min_replicas
+            if value == AUTO:
+                value = auto_replicas(self.spec.topology, self.client)
+            assert isinstance(value, int)
+            self._min_replicas = value
+        return self._min_replicas
 
     def masters(self) -> list[Any]:
         """One plain client per master that holds locks, for health checks.

@@ -41,6 +41,23 @@ def wait_until(condition: Callable[[], Any], timeout: float, message: str) -> An
         time.sleep(0.02)
 
 
+def wait_replicas_online(master: RedisServer, count: int, timeout: float = 20) -> None:
+    """Wait until ``master`` counts ``count`` replicas as online.
+
+    A replica's own link reports "up" as soon as the full sync ends, but its
+    master counts it (for ``WAIT`` too) only from its first acknowledgement,
+    which replicas send once a second.
+    """
+    admin = master.client()
+
+    def online() -> bool:
+        info = admin.info("replication")
+        states = [info.get(f"slave{i}", {}).get("state") for i in range(count)]
+        return info.get("role") == "master" and states == ["online"] * count
+
+    wait_until(online, timeout, f"{count} replica(s) of {master!r} to be online")
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -230,13 +247,7 @@ class LocalSentinel:
                 extra_args=(*self._data_options, "--replicaof", LOOPBACK, str(self.master.port)),
             )
             self.replicas.append(replica.start())
-        for replica in self.replicas:
-            client = replica.client()
-            wait_until(
-                lambda client=client: client.info("replication")["master_link_status"] == "up",
-                10,
-                "the replica's link to its master",
-            )
+        wait_replicas_online(self.master, self._replica_count)
         quorum = self._sentinel_count // 2 + 1
         ports = [free_port() for _ in range(self._sentinel_count)]
         run_ids = [f"{i + 1:040x}" for i in range(self._sentinel_count)]
