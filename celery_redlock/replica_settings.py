@@ -140,15 +140,24 @@ def _sentinel_replicas(client: Any) -> int:
 
 
 def _cluster_replicas(client: Any) -> int:
-    nodes = client.cluster_nodes()
-    replicas: dict[str, int] = {}
-    for node in nodes.values():
-        if "master" in node["flags"] and node.get("slots"):
-            replicas.setdefault(node["node_id"], 0)
-    for node in nodes.values():
-        if "slave" in node["flags"] and node.get("master_id") in replicas:
-            replicas[node["master_id"]] += 1
-    return min(replicas.values(), default=0)
+    # Each primary is asked: the replicas its cluster view names, or those
+    # connected to it, whichever is more (right after a replica joins, the
+    # view may not name it yet).
+    primaries = client.PRIMARIES
+    views = client.execute_command("CLUSTER NODES", target_nodes=primaries)
+    infos = client.execute_command("INFO", "replication", target_nodes=primaries)
+    counts = []
+    for name, view in views.items():
+        me = next((node for node in view.values() if "myself" in node["flags"]), None)
+        if me is None or not me.get("slots"):
+            continue
+        named = sum(
+            "slave" in node["flags"] and node.get("master_id") == me["node_id"]
+            for node in view.values()
+        )
+        connected = int(infos.get(name, {}).get("connected_slaves", 0))
+        counts.append(max(named, connected))
+    return min(counts, default=0)
 
 
 def replica_warnings(client: Any, name: str, needed: int) -> list[str]:

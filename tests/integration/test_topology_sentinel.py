@@ -10,6 +10,7 @@ default on a Sentinel store with replicas, refuses that lock in the first place.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -18,8 +19,9 @@ import pytest
 from celery_redlock import LockNotOwned, ReplicationError
 from celery_redlock.lock import fence_key_for
 from celery_redlock.store import LockStore, parse_store
+from tests.grant_history import Locker, check_grants, lockers
 from tests.redis_servers import LOOPBACK, RedisServer
-from tests.redis_topologies import MASTER_NAME, LocalSentinel, wait_replicas_online
+from tests.redis_topologies import MASTER_NAME, LocalSentinel, wait_replicas_online, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -165,3 +167,62 @@ def test_replicated_acquisition_refuses_the_lock_the_replica_never_saw(group):
     assert second.fence > drawn > warm.lease.fence
     second.release()
     store.close()
+
+
+def failover_keys(tag: str) -> list[str]:
+    return [f"{tag}:v1:{{t.job:{i}}}" for i in range(4)]
+
+
+@pytest.mark.timeout(120)
+def test_sentinel_failover_under_steady_locking(group):
+    """SENTINEL FAILOVER while a warm client (connected to the old master) and a fresh one
+    lock the same keys: never two holders of a key, never a repeated fence.
+
+    The old master stays writable for some seconds after the replica is
+    promoted. The warm client's acquisitions there get no replica's
+    acknowledgement (its replica left), so they are given back and refused,
+    as are the fresh client's on the new master until the old one rejoins as
+    its replica; then both lock on the new master.
+    """
+    keys = failover_keys("s4")
+    (replica,) = group.replicas
+    warm = Locker("warm", lambda: store_of(group), keys).start()
+    wait_until(lambda: warm.granted_since(0) >= 20, 20, "grants before the failover")
+    group.sentinels[0].client().execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+    group.wait_for_master(replica)
+    fresh = Locker("fresh", lambda: store_of(group), keys).start()
+    wait_replicas_online(replica, 1, timeout=60)  # the old master, demoted, replicates
+    recovered = time.monotonic()
+    wait_until(
+        lambda: warm.granted_since(recovered) >= 10 and fresh.granted_since(recovered) >= 10,
+        30,
+        "both clients to lock on the new master",
+    )
+    grants = lockers(warm, fresh)
+    check_grants(grants)
+    assert warm.outcomes["ReplicationError"] > 0, warm.outcomes
+
+
+@pytest.mark.timeout(120)
+def test_master_killed_under_steady_locking(group):
+    """SIGKILL of the master under steady locking: no two holders, no repeated fence.
+
+    Every lock granted before the crash was acknowledged by the replica, so the
+    promoted replica holds it; the new master confirms locks again once the
+    crashed one is back as its replica.
+    """
+    keys = failover_keys("s5")
+    (replica,) = group.replicas
+    warm = Locker("warm", lambda: store_of(group), keys).start()
+    wait_until(lambda: warm.granted_since(0) >= 20, 20, "grants before the crash")
+    group.master.kill()
+    fresh = Locker("fresh", lambda: store_of(group), keys).start()
+    group.wait_for_master(replica)
+    rejoin(group, replica)
+    recovered = time.monotonic()
+    wait_until(
+        lambda: warm.granted_since(recovered) >= 10 and fresh.granted_since(recovered) >= 10,
+        30,
+        "both clients to lock on the new master",
+    )
+    check_grants(lockers(warm, fresh))
