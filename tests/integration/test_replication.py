@@ -7,13 +7,17 @@ neither applies nor acknowledges anything until it is resumed.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator
 
 import pytest
+from celery import Celery
 
 from celery_redlock import ConfigurationError, Lock, ReplicationError
+from celery_redlock.bootsteps import check_lock_store
 from celery_redlock.lock import fence_key_for
 from celery_redlock.renewal import Watchdog
+from celery_redlock.store import store_for
 from tests.redis_servers import LOOPBACK, RedisServer
 from tests.redis_topologies import wait_replicas_online, wait_until
 
@@ -220,3 +224,18 @@ def test_a_refused_acquisition_leaves_nothing_unread_on_the_connection(pair):
     lock = Lock(client, "job", timeout=10, min_replicas=1, replica_timeout=HEALTHY)
     assert lock.acquire(blocking=False)
     lock.release()
+
+
+def test_worker_start_warns_when_a_master_has_too_few_replicas(pair):
+    """More replicas required than connected: a WARNING with both counts, not an error."""
+    master, _ = pair
+    app = Celery(f"replicas-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.update(redlock_url=master.url, redlock_min_replicas=2)
+    summary = check_lock_store(app)
+    assert "each lock is confirmed by 2 replica(s)" in summary
+    assert "has 1 replica(s) connected and redlock_min_replicas is 2" in summary
+    app.conf.redlock_min_replicas = 1
+    summary = check_lock_store(app)
+    assert "answers; each lock is confirmed by 1 replica(s)" in summary
+    assert "WARNING" not in summary
+    store_for(app).close()
