@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -208,8 +209,8 @@ def render(summary: dict[str, Any], context: dict[str, Any], args: argparse.Name
         "",
         f"- date utc: {context['date_utc']}; {context['python']}, redis-py {context['redis_py']}"
         f" (hiredis {context['hiredis']}), redis-server {context['redis_server']}",
-        f"- {context['cpus_usable']} CPUs shared with other jobs; one master and one replica on"
-        " 127.0.0.1, one client, TTL 10 s",
+        f"- {context['cpus_usable']} CPUs shared with other jobs (load average at the end"
+        f" {context['load']}); one master and one replica on 127.0.0.1, one client, TTL 10 s",
         f"- {args.rounds} rounds x {args.cycles} operations per arm and kind, arms paired in each"
         " round, order alternating",
         "",
@@ -269,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             raw = run(redis.Redis(connection_pool=pool), admin, args)
             context = machine_context(admin)
+    context["load"] = " ".join(f"{value:.2f}" for value in os.getloadavg())
     summary = summarize(raw)
     report = render(summary, context, args)
     print(report)

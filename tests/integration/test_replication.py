@@ -239,3 +239,28 @@ def test_worker_start_warns_when_a_master_has_too_few_replicas(pair):
     assert "answers; each lock is confirmed by 1 replica(s)" in summary
     assert "WARNING" not in summary
     store_for(app).close()
+
+
+def test_batched_renewals_share_one_wait_behind_their_scripts(pair):
+    """Renewals pipelined over several script calls are confirmed by one WAIT behind them;
+    unacknowledged, none of them counts and the leases are lost in time."""
+    master, replica = pair
+    client = master.client()
+    watchdog = Watchdog(batch_size=2)  # five leases: three script calls per pass
+    locks = [
+        Lock(client, f"batch{i}", timeout=1.5, min_replicas=1, replica_timeout=0.3,
+             auto_renew=True, watchdog=watchdog)
+        for i in range(5)
+    ]  # fmt: skip
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+    master.reset_stats()
+    wait_until(lambda: all(lock.lease.renewals >= 2 for lock in locks), 20, "renewals")
+    stats = master.commandstats()
+    assert 1 <= stats["wait"] < stats["evalsha"], stats  # fewer WAITs than script calls
+    assert all(replica.client().pttl(lock.name) > 0 for lock in locks)
+    replica.pause()
+    try:
+        wait_until(lambda: all(lock.lease.lost for lock in locks), 20, "the leases to be lost")
+    finally:
+        replica.resume()
