@@ -123,9 +123,8 @@ def acquire(
     target, reply, acknowledged = _exchange(ACQUIRE, client, keys, args, replication, label)
     if isinstance(reply, list):
         return reply
-    server = server_of(target)
     if acknowledged >= replication.replicas:
-        _events.clear(server, acknowledged, replication.replicas)
+        _events.clear(target, acknowledged, replication.replicas)
         return reply
     try:
         RELEASE(target, (keys[0],), (args[0], "0"))
@@ -135,7 +134,7 @@ def acquire(
             _describe(keys[0], label, ACQUISITION),
             exc,
         )
-    raise _shortfall(target, server, keys[0], label, acknowledged, replication)
+    raise _shortfall(target, keys[0], label, acknowledged, replication)
 
 
 def renew(
@@ -172,12 +171,11 @@ def check_acknowledged(
     Raises:
         ReplicationError: When too few replicas acknowledged writes that took effect.
     """
-    server = server_of(client)
     if acknowledged >= replication.replicas or not renewed:
         if renewed:
-            _events.clear(server, acknowledged, replication.replicas)
+            _events.clear(client, acknowledged, replication.replicas)
         return
-    raise _shortfall(client, server, name, label, acknowledged, replication, RENEWAL)
+    raise _shortfall(client, name, label, acknowledged, replication, RENEWAL)
 
 
 def _exchange(
@@ -274,9 +272,10 @@ class _Events:
         else:
             logger.debug("celery-redlock: %s", line)
 
-    def clear(self, server: str, acknowledged: int, needed: int) -> None:
-        if server not in self._current:  # the hot path: nothing to clear
+    def clear(self, client: Any, acknowledged: int, needed: int) -> None:
+        if not self._current:  # the hot path: no event under way anywhere
             return
+        server = server_of(client)
         with self._guard:
             known = self._current.pop(server, None)
         if known is not None:
@@ -300,13 +299,13 @@ def _describe(name: Arg, label: str | None, operation: str) -> str:
 
 def _shortfall(
     client: Any,
-    server: str,
     name: Arg,
     label: str | None,
     acknowledged: int,
     replication: Replication,
     operation: str = ACQUISITION,
 ) -> ReplicationError:
+    server = server_of(client)
     lock = _describe(name, label, operation)
     line = _EVENTS["replicas"].format(
         server=server,
