@@ -58,6 +58,7 @@ def replicated(group: LocalSentinel) -> None:
     assert group.master.client().wait(1, 5000) == 1
 
 
+@pytest.mark.timeout(120)
 def test_lock_through_sentinel_survives_a_forced_failover(group):
     """After SENTINEL FAILOVER new acquisitions work, and a replicated lock stays held."""
     store = store_of(group)
@@ -134,6 +135,7 @@ def test_unreplicated_lock_is_lost_in_failover_without_replicated_acquisition(gr
     store.close()
 
 
+@pytest.mark.timeout(120)
 def test_replicated_acquisition_refuses_the_lock_the_replica_never_saw(group):
     """The same failover with replicated acquisition (auto: 1 replica): the first holder is
     refused and its grant given back, so the promoted replica's holder is the only one,
