@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         LockNotOwned,
         QuorumNotAchieved,
         RedlockError,
+        ReplicationError,
     )
     from .core.lease import Lease
     from .core.lock import Lock
@@ -57,6 +58,7 @@ __all__ = [
     "Redlock",
     "RedlockError",
     "RedlockLease",
+    "ReplicationError",
     "SingletonTask",
     "Watchdog",
     "__version__",
@@ -94,6 +96,7 @@ _HOMES = {
             "LockNotOwned",
             "QuorumNotAchieved",
             "RedlockError",
+            "ReplicationError",
         ),
         "core.exceptions",
     ),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import LockNotAcquired
+from celery_redlock.core.exceptions import LockNotAcquired, ReplicationError
 from celery_redlock.core.holder import Refusal
 
 from .options import LockOptions
@@ -164,8 +164,12 @@ def log_store_failure(
 
     A server that answered with an error (ACL, wrong type, out of memory) was
     reached: that needs a different fix than an outage, so the line says which.
+    So does a lock its replicas did not confirm (``min_replicas``): the server
+    answered, but the topology is changing under it.
     """
     failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
+    if isinstance(exc, ReplicationError):
+        failure = "could not have the lock confirmed by its replicas"
     log.warning(
         "%s: lock store %s for %s (%s); %s",
         what,
