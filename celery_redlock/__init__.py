@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         QuorumNotAchieved,
         RateLimited,
         RedlockError,
+        ReplicationError,
     )
     from .core.lease import Lease
     from .core.lock import Lock
@@ -62,6 +63,7 @@ __all__ = [
     "Redlock",
     "RedlockError",
     "RedlockLease",
+    "ReplicationError",
     "Semaphore",
     "SingletonTask",
     "Watchdog",
@@ -107,6 +109,7 @@ _HOMES = {
             "QuorumNotAchieved",
             "RateLimited",
             "RedlockError",
+            "ReplicationError",
         ),
         "core.exceptions",
     ),

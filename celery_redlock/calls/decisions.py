@@ -18,7 +18,7 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import LockNotAcquired, RateLimited
+from celery_redlock.core.exceptions import LockNotAcquired, RateLimited, ReplicationError
 from celery_redlock.core.holder import Refusal
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.rate import Rate, RateVerdict
@@ -172,8 +172,12 @@ def log_store_failure(
 
     A server that answered with an error (ACL, wrong type, out of memory) was
     reached: that needs a different fix than an outage, so the line says which.
+    So does a lock its replicas did not confirm (``min_replicas``): the server
+    answered, but the topology is changing under it.
     """
     failure = "refused the lock command" if isinstance(exc, ResponseError) else "unreachable"
+    if isinstance(exc, ReplicationError):
+        failure = "could not have the lock confirmed by its replicas"
     log.warning(
         "%s: lock store %s for %s (%s); %s",
         what,

@@ -87,7 +87,8 @@ def check_lock_store(app: Any) -> str:
     What ``celery redlock check`` checks (see :mod:`celery_redlock.core.health`):
     acquire, renew and release under each key prefix in use, on each master of
     a Redlock or a Redis Cluster, the current master of a Sentinel group. Also
-    warns about an eviction policy that may drop locks. Never raises: a lock
+    warns about an eviction policy that may drop locks, and about a master with
+    fewer replicas connected than ``redlock_min_replicas``. Never raises: a lock
     store that fails at worker start is logged (ERROR), and each task's
     ``on_redis_error`` policy handles it when it runs.
     """
@@ -103,6 +104,8 @@ def check_lock_store(app: Any) -> str:
                 node.name,
                 node.eviction_policy,
             )
+        for problem in node.replica_problems:
+            logger.warning("celery-redlock: lock store master %s", problem)
     summary = result.summary()
     logger.info("celery-redlock: %s", summary)
     return summary

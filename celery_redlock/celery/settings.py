@@ -47,6 +47,8 @@ GUARDED_ATTRIBUTE = "__redlock_guarded__"
 SETTINGS = frozenset(
     {
         "redlock_url",
+        "redlock_min_replicas",
+        "redlock_replica_timeout",
         "redlock_queues",
         "redlock_transport_options",
         "redlock_recover_stale",

@@ -23,6 +23,7 @@ __all__ = [
     "QuorumNotAchieved",
     "RateLimited",
     "RedlockError",
+    "ReplicationError",
 ]
 
 
@@ -199,6 +200,48 @@ class QuorumNotAchieved(LockError):
         self.needed = needed
         self.holder = holder
         self.holder_ttl = holder_ttl
+
+    def __repr__(self) -> str:
+        # redis-py 8's errors repr as "server:ClassName"; log lines need the details.
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class ReplicationError(RedlockError, redis_exceptions.RedisError):
+    """A lock write was not confirmed by enough replicas, or the server refused it as a master.
+
+    Raised by acquisitions and renewals of a lock with ``min_replicas``: the
+    write is then given back (acquire) or not counted (renewal). It is a
+    ``RedisError``, so a task meets it as a lock store failure and follows its
+    ``lock_on_redis_error`` policy, never as a held lock.
+
+    Attributes:
+        lock_name: The Redis key of the lock.
+        server: The server that took (or refused) the write, as logs name it.
+        event: What the server's answer says about the topology: ``"replicas"``
+            (too few replicas acknowledged: they left, lag, or a failover
+            promoted one), ``"demoted"`` (the server reports itself a replica,
+            ``READONLY``) or ``"isolated"`` (``NOREPLICAS``: the server's own
+            ``min-replicas-to-write`` is not met).
+        acknowledged: How many replicas acknowledged the write (0 when refused).
+        needed: How many had to.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        lock_name: str | None = None,
+        server: str = "",
+        event: str = "replicas",
+        acknowledged: int = 0,
+        needed: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.lock_name = lock_name
+        self.server = server
+        self.event = event
+        self.acknowledged = acknowledged
+        self.needed = needed
 
     def __repr__(self) -> str:
         # redis-py 8's errors repr as "server:ClassName"; log lines need the details.

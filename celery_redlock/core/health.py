@@ -8,7 +8,10 @@ each master that holds locks (the one Redis, each Redlock master, each Cluster
 primary, the Sentinel group's current master) and under each key prefix in use:
 acquire with a fence, renew, release, each with the script a task uses, on a
 key that nothing else uses. The probe key expires within
-:data:`PROBE_TTL_MS` even if the check dies half way.
+:data:`PROBE_TTL_MS` even if the check dies half way. A store whose locks need
+replicas' confirmation (``redlock_min_replicas``) also has each master's
+replicas counted: too few connected is a warning, not a failure, since replicas
+may join later (see :func:`~celery_redlock.core.replica_settings.replica_warnings`).
 
 Nothing here runs on a task's path: it serves ``celery redlock check`` and the
 worker's start-up check.
@@ -33,6 +36,7 @@ from redis.exceptions import (
 from .error_text import describe_error
 from .exceptions import LockError
 from .lock_options import fence_key_for
+from .replica_settings import replica_warnings
 from .scripts import ACQUIRE, RELEASE, RENEW
 from .store import LockStore, redact_url
 
@@ -95,12 +99,16 @@ class NodeCheck:
         version: Its ``redis_version``, when it told.
         eviction_policy: Its ``maxmemory-policy`` when that may evict lock
             keys (a memory limit is set and the policy is not ``noeviction``).
+        replica_problems: Why it cannot confirm locks with the replicas the
+            store requires now (it reports itself a replica, too few are
+            connected, or they could not be counted).
     """
 
     name: str
     error: BaseException | None = None
     version: str | None = None
     eviction_policy: str | None = None
+    replica_problems: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -128,12 +136,14 @@ class StoreCheck:
         nodes: One entry per master.
         error: Why the masters could not even be listed (a Cluster whose
             startup nodes do not answer, Sentinels that name no master).
+        min_replicas: How many replicas confirm each lock made on the store.
     """
 
     address: str
     prefixes: tuple[str, ...]
     nodes: tuple[NodeCheck, ...] = ()
     error: BaseException | None = field(default=None)
+    min_replicas: int = 0
 
     @property
     def ok(self) -> bool:
@@ -142,12 +152,13 @@ class StoreCheck:
 
     @property
     def warnings(self) -> list[str]:
-        """Risks that do not stop locks from working now (an eviction policy)."""
-        return [
+        """What passing lock scripts do not rule out: eviction, too few replicas connected."""
+        found = [
             f"{node.name} has maxmemory-policy {node.eviction_policy}, which can evict locks"
             for node in self.nodes
             if node.eviction_policy is not None
         ]
+        return found + [problem for node in self.nodes for problem in node.replica_problems]
 
     def failure(self) -> str:
         """One line saying why the check failed (empty when it passed)."""
@@ -171,6 +182,8 @@ class StoreCheck:
             f"lock store {self.address} (Redis {', '.join(versions)}) answers: acquire, "
             f"renew and release ran under {prefixes} on {masters}"
         )
+        if self.min_replicas:
+            line += f"; each lock is confirmed by {self.min_replicas} replica(s)"
         return "; ".join([line, *(f"WARNING: {text}" for text in self.warnings)])
 
 
@@ -183,24 +196,39 @@ def check_store(store: LockStore, prefixes: Sequence[str]) -> StoreCheck:
     address = store.spec.describe()
     try:
         masters = _masters(store)
+        needed = store.min_replicas()
     except (RedisError, RedisClusterException) as exc:
         return StoreCheck(address, prefixes, error=exc)
     tag = secrets.token_hex(8)
     nodes = tuple(
-        _check_node(client, name, prefixes, tag, key_for) for client, name, key_for in masters
+        _check_node(client, name, prefixes, tag, key_for, needed)
+        for client, name, key_for in masters
     )
-    return StoreCheck(address, prefixes, nodes)
+    return StoreCheck(address, prefixes, nodes, min_replicas=needed)
 
 
 def _check_node(
-    client: Any, name: str, prefixes: Sequence[str], tag: str, key_for: Any
+    client: Any, name: str, prefixes: Sequence[str], tag: str, key_for: Any, needed: int
 ) -> NodeCheck:
     try:
         for prefix in prefixes:
             run_lock_scripts(client, key_for(prefix, tag))
     except (RedisError, LockError) as exc:
         return NodeCheck(name, error=exc)
-    return NodeCheck(name, version=_version(client), eviction_policy=_eviction_policy(client))
+    return NodeCheck(
+        name,
+        version=_version(client),
+        eviction_policy=_eviction_policy(client),
+        replica_problems=_replica_problems(client, name, needed),
+    )
+
+
+def _replica_problems(client: Any, name: str, needed: int) -> tuple[str, ...]:
+    """Why the master cannot confirm locks with ``needed`` replicas now; empty if it can."""
+    try:
+        return tuple(replica_warnings(client, name, needed))
+    except RedisError as exc:
+        return (f"{name}: could not read its replicas: {describe_error(exc)}",)
 
 
 def _masters(store: LockStore) -> list[tuple[Any, str, Any]]:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from .replication import Replication
 
 from .lua import Script
 from .scripts import RENEW
@@ -43,6 +46,7 @@ class Lease:
         fence: The fencing token of this acquisition, or ``None`` without fencing.
         ttl: The lock's time to live in seconds, or ``None`` if it never expires.
         renewals: How many times the watchdog has renewed the lease.
+        replication: How many replicas must confirm its renewals, or ``None``.
         lost: ``True`` once the lease is known not to hold the lock any more.
         loss_reason: Why the lease was lost, when it was.
         released: ``True`` once the holder started releasing it.
@@ -72,6 +76,7 @@ class Lease:
         "on_lost",
         "released",
         "renewals",
+        "replication",
         "token",
         "ttl",
     )
@@ -90,9 +95,11 @@ class Lease:
         on_lost: LostCallback | None = None,
         owner: object | None = None,
         label: str | None = None,
+        replication: Replication | None = None,
     ) -> None:
         self.client = client
         self.label = label
+        self.replication = replication
         self.name = name
         self.token = token
         self.fence = fence

@@ -8,18 +8,20 @@ round trip as the ``SET NX PX``, a validity deadline computed from a monotonic
 clock, and a ``lost`` flag that the renewal watchdog raises when the lock is
 taken away.
 
-Round trips: acquire 1, release 1, extend 1, reacquire 1.
+Round trips: acquire 1, release 1, extend 1, reacquire 1. With ``min_replicas``
+the acquire and renew scripts carry a ``WAIT`` in the same round trip (see
+:mod:`celery_redlock.core.replication`).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from . import replication as replicated
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
@@ -30,6 +32,7 @@ from .lock_options import (
     fence_key_for,
     positive_seconds,
 )
+from .lock_state import LockState, SharedState, ThreadState
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -43,23 +46,6 @@ logger = logging.getLogger(__name__)
 
 _LockT = TypeVar("_LockT", bound="Lock")
 _LeaseT = TypeVar("_LeaseT", bound=Lease)
-
-
-class _ThreadState(threading.local):
-    # Class attributes are the per-thread defaults of a threading.local subclass.
-    token: bytes | None = None
-    lease: Lease | None = None
-    holder: tuple[str | None, float | None] | None = None
-    # Why the latest attempt failed, when a subclass knows more than the holder.
-    failure: LockError | None = None
-
-
-class _SharedState:
-    def __init__(self) -> None:
-        self.token: bytes | None = None
-        self.lease: Lease | None = None
-        self.holder: tuple[str | None, float | None] | None = None
-        self.failure: LockError | None = None
 
 
 class Lock(LockSettings):
@@ -88,6 +74,13 @@ class Lock(LockSettings):
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).
         clock: Monotonic clock in seconds; injectable for tests.
+        min_replicas: Replicas that must acknowledge each acquisition and
+            renewal (``WAIT``, in the same round trip) before it counts; with
+            fewer the acquisition is given back and ``ReplicationError`` raised.
+            Fences are then never below the server clock in microseconds, so
+            they do not repeat after a failover. 0 (the default) sends no ``WAIT``.
+        replica_timeout: Longest wait for those acknowledgements, in seconds
+            (default: 0.5, or a tenth of ``timeout`` when that is shorter).
 
     Raises:
         ConfigurationError: If an argument is out of range, naming it.
@@ -113,6 +106,8 @@ class Lock(LockSettings):
         watchdog: Watchdog | None = None,
         clock: Clock = time.monotonic,
         label: str | None = None,
+        min_replicas: int = 0,
+        replica_timeout: Number | None = None,
     ) -> None:
         self._configure(
             redis,
@@ -131,11 +126,11 @@ class Lock(LockSettings):
             drift_factor=drift_factor,
             clock=clock,
             label=label,
+            min_replicas=min_replicas,
+            replica_timeout=replica_timeout,
         )
         self._watchdog = watchdog
-        self.local: _ThreadState | _SharedState = (
-            _ThreadState() if self.thread_local else _SharedState()
-        )
+        self.local: LockState = ThreadState() if self.thread_local else SharedState()
 
     # -- redis-py compatible API ------------------------------------------------
 
@@ -184,6 +179,9 @@ class Lock(LockSettings):
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
+            ReplicationError: With ``min_replicas``, when too few replicas
+                acknowledged the lock (it was given back) or the server
+                refused it as a replica; a ``RedisError`` too.
         """
         if sleep is None:
             sleep = self.sleep
@@ -224,12 +222,20 @@ class Lock(LockSettings):
         """Make one attempt; on success store the new :class:`Lease` for this thread."""
         sent_at = self._clock()
         fence: int | None = None
-        if self.fencing:
-            reply = ACQUIRE(
-                self.redis,
-                (self.name, self.fence_key),
-                (token, self._ttl_ms, self._fence_retention_ms, "0"),
-            )
+        if self.fencing or self.replication is not None:
+            keys = (self.name, self.fence_key)
+            if self.replication is None:
+                reply = ACQUIRE(
+                    self.redis, keys, (token, self._ttl_ms, self._fence_retention_ms, "0")
+                )
+            else:
+                reply = replicated.acquire(
+                    self.redis,
+                    keys,
+                    (token, self._ttl_ms, self._fence_retention_ms, "0", "1"),
+                    self.replication,
+                    self.label,
+                )
             if isinstance(reply, list):
                 holder_ttl_ms, holder = reply
                 self.local.holder = (
@@ -237,7 +243,7 @@ class Lock(LockSettings):
                     holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
                 )
                 return False
-            fence = int(reply)
+            fence = int(reply) if self.fencing else None
         elif not self.redis.set(self.name, token, nx=True, px=self._ttl_ms or None):
             self.local.holder = None
             return False
@@ -261,6 +267,7 @@ class Lock(LockSettings):
             on_lost=self.on_lost,
             owner=self,
             label=self.label,
+            replication=self.replication,
         )
 
     def locked(self) -> bool:
@@ -409,7 +416,13 @@ class Lock(LockSettings):
         token = self.local.token
         assert lease is not None and token is not None
         sent_at = self._clock()
-        (pttl_ms,) = RENEW(self.redis, (self.name,), ("1" if replace else "0", token, ms))
+        args = ("1" if replace else "0", token, ms)
+        if self.replication is None:
+            (pttl_ms,) = RENEW(self.redis, (self.name,), args)
+        else:
+            (pttl_ms,) = replicated.renew(
+                self.redis, (self.name,), args, self.replication, self.label
+            )
         if not pttl_ms:
             lease.mark_lost(f"not owned at {operation}")
             raise LockNotOwned(

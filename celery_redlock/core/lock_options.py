@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from . import replication as replicated
 from .exceptions import ConfigurationError
 from .lease import Clock, LostCallback
 
@@ -141,6 +142,8 @@ class LockSettings:
         drift_factor: float,
         clock: Clock,
         label: str | None,
+        min_replicas: int = 0,
+        replica_timeout: Number | None = None,
     ) -> None:
         self.timeout = check_options(
             timeout=timeout,
@@ -166,3 +169,7 @@ class LockSettings:
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label
+        #: How many replicas confirm each acquisition and renewal, or ``None``.
+        self.replication = replicated.replication_for(
+            min_replicas, replica_timeout, self.timeout, redis
+        )

@@ -87,8 +87,18 @@ class Script:
         #: default).
         self.check_connection = check_connection
 
-    def __call__(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def __call__(
+        self,
+        client: Any,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        then: Sequence[Arg] | None = None,
+    ) -> Any:
         """Run the script on ``client`` (a redis-py client) and return its reply.
+
+        ``then`` is a command (``WAIT``) sent in the same write, right behind
+        the script on the same connection; the reply is then the pair of both
+        replies. It needs a client with a connection pool.
 
         Raises:
             redis.exceptions.RedisError: Whatever the server or connection raises,
@@ -99,6 +109,8 @@ class Script:
         # A single-connection client owns its connection (client.connection);
         # Cluster clients have no pool: both go through redis-py.
         if pool is None or getattr(client, "connection", None) is not None:
+            if then is not None:
+                raise TypeError(f"{self!r}: a pipelined command needs a pooled client")
             try:
                 return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
             except NoScriptError:
@@ -111,21 +123,23 @@ class Script:
             try:
                 if reserved.connection is None:
                     reserved.connection = checkout(pool)
-                return self._exchange(reserved.connection, keys, args)
+                return self._exchange(reserved.connection, keys, args, then)
             finally:
                 reserved.busy.release()
         connection = checkout(pool)
         try:
-            return self._exchange(connection, keys, args)
+            return self._exchange(connection, keys, args, then)
         finally:
             pool.release(connection)
 
-    def _exchange(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def _exchange(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+    ) -> Any:
         try:
             if self.check_connection:
                 _reconnect_if_closed(connection)
             try:
-                return self._run(connection, keys, args)
+                return self._run(connection, keys, args, then)
             except RedisConnectionError:
                 # A connection the server closed (a restart, an idle timeout)
                 # fails on first use, often only when the reply is read; like
@@ -140,7 +154,7 @@ class Script:
                 # current master in connect() only; the lazy connect of the next
                 # send would return to the demoted one.
                 connection.connect()
-                return self._run(connection, keys, resent_args)
+                return self._run(connection, keys, resent_args, then)
         except ResponseError:
             raise  # the server answered: the connection is in a clean state
         except BaseException:
@@ -149,13 +163,35 @@ class Script:
             connection.disconnect()
             raise
 
-    def _run(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    def _run(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+    ) -> Any:
+        if then is not None:
+            return self._run_then(connection, keys, args, then)
         connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
+
+    def _run_then(
+        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg]
+    ) -> tuple[Any, Any]:
+        # One write, two replies. Both are read before an error is raised, so
+        # the connection owes nothing afterwards.
+        for command, script in (("EVALSHA", self.sha), ("EVAL", self.source)):
+            packed = connection.pack_commands(
+                [(command, script, len(keys), *keys, *args), tuple(then)]
+            )
+            connection.send_packed_command(packed)
+            reply, after = _reply_or_error(connection), _reply_or_error(connection)
+            if not isinstance(reply, NoScriptError):
+                break
+        for value in (reply, after):
+            if isinstance(value, ResponseError):
+                raise value
+        return reply, after
 
     def send(self, client: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
         """Run the script with ``EVAL``, source included, and return its reply.
@@ -173,3 +209,10 @@ class Script:
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"
+
+
+def _reply_or_error(connection: Any) -> Any:
+    try:
+        return connection.read_response()
+    except ResponseError as exc:
+        return exc

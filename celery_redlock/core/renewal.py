@@ -8,7 +8,10 @@ permits, renewed by a script of their own in the same pipeline) the process hold
 
 A renewal that fails on a connection error is retried until the lease's own
 validity deadline; only then is the lease given up as lost. A lease the server
-no longer holds for us is lost at once. Either way the holder learns it through
+no longer holds for us is lost at once. Leases that need their replicas'
+acknowledgement (``min_replicas``) are batched apart, with ``WAIT`` in the same
+round trip; a pass that too few replicas acknowledged does not count, and is
+retried like one that failed. Either way the holder learns it through
 ``Lease.lost`` and its ``on_lost`` callback, and an ERROR line names the key
 and fence. The thread catches everything, so it never dies silently.
 """
@@ -28,10 +31,12 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from . import replication as replicated
 from .error_text import describe_error
 from .lease import Clock, Lease
 from .lua import Script
 from .nodes import bounded_client
+from .replication import Replication
 
 __all__ = ["Watchdog", "default_watchdog"]
 
@@ -44,15 +49,17 @@ BATCH_SIZE = 1000
 RENEWAL_TIMEOUT = 1.0
 
 
-def _renewal_client(client: Any) -> Any:
+def _renewal_client(client: Any, replication: Replication | None = None) -> Any:
     """Return a client for renewals: same server and options, bounded timeouts.
 
     Its own small pool also keeps renewals going when the application has used
     up its pool's connections. Pools this module does not know how to clone
     (Sentinel, Cluster) are used as they are. No client-side retries: one
     attempt per pass, the watchdog retries itself within each lease's validity.
+    A renewal that waits for replicas may take that much longer.
     """
-    return bounded_client(client, RENEWAL_TIMEOUT, max_connections=4)
+    timeout = RENEWAL_TIMEOUT + (replication.timeout if replication is not None else 0.0)
+    return bounded_client(client, timeout, max_connections=4)
 
 
 def _retry_delay(lease: Lease) -> float:
@@ -84,7 +91,8 @@ class Watchdog:
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
-        # Keyed by the application's pool; only the watchdog thread touches it.
+        # Keyed by the application's pool, then by the replication its leases
+        # need (it lengthens the timeout); only the watchdog thread touches it.
         self._clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def watch(self, lease: Lease) -> None:
@@ -130,7 +138,7 @@ class Watchdog:
         """
         now = self._clock()
         batch = self._take_due(now)
-        by_pool: dict[Any, list[Lease]] = defaultdict(list)
+        by_pool: dict[tuple[Any, Replication | None], list[Lease]] = defaultdict(list)
         alone: list[Lease] = []
         for lease in batch:
             if not lease.still_to_renew():
@@ -141,16 +149,19 @@ class Watchdog:
             # A client without a pool (Redis Cluster) cannot take one script
             # over keys of several slots: such leases are renewed one by one.
             pool = getattr(lease.client, "connection_pool", None)
-            by_pool[lease if pool is None else pool].append(lease)
-        for pool, leases in by_pool.items():
+            by_pool[lease if pool is None else pool, lease.replication].append(lease)
+        for (pool, replication), leases in by_pool.items():
             try:
-                client = self._clients.get(pool)
+                clients = self._clients.get(pool)
+                if clients is None:
+                    clients = self._clients[pool] = {}
+                client = clients.get(replication)
                 if client is None:
-                    client = self._clients[pool] = _renewal_client(leases[0].client)
+                    client = clients[replication] = _renewal_client(leases[0].client, replication)
             except Exception as exc:
                 self._schedule_retry(leases, exc)
                 continue
-            self._renew_group(client, leases)
+            self._renew_group(client, leases, replication)
         # After the batches: a lease spanning several servers waits for a
         # majority, up to its node timeout, which must not delay the others.
         for lease in alone:
@@ -188,7 +199,9 @@ class Watchdog:
                 taken.append(lease)
         return taken
 
-    def _renew_group(self, client: Any, leases: Sequence[Lease]) -> None:
+    def _renew_group(
+        self, client: Any, leases: Sequence[Lease], replication: Replication | None = None
+    ) -> None:
         # Locks and semaphore permits renew with different scripts: one chunk
         # list per script, all of them in the pass's one pipelined round trip.
         by_script: dict[Script, list[Lease]] = {}
@@ -202,7 +215,7 @@ class Watchdog:
         ]
         sent_at = self._clock()
         try:
-            replies = self._send(client, chunks)
+            replies = self._send(client, chunks, replication)
         except Exception as exc:
             # Whatever went wrong, the leases go back in the heap: dropping them
             # would leave them neither renewed nor reported lost.
@@ -212,7 +225,12 @@ class Watchdog:
             for lease, pttl_ms in zip(chunk, reply):
                 self._settle(lease, sent_at, pttl_ms)
 
-    def _send(self, client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]]) -> list[Any]:
+    def _send(
+        self,
+        client: Any,
+        chunks: Sequence[tuple[Script, Sequence[Lease]]],
+        replication: Replication | None = None,
+    ) -> list[Any]:
         def script_args(chunk: Sequence[Lease]) -> tuple[list[str], list[Any]]:
             args: list[Any] = ["1"]
             for lease in chunk:
@@ -222,17 +240,35 @@ class Watchdog:
 
         if len(chunks) == 1:
             script, chunk = chunks[0]
-            return [script(client, *script_args(chunk))]
+            if replication is None:
+                return [script(client, *script_args(chunk))]
+            return [replicated.renew(client, *script_args(chunk), replication, script=script)]
         pipe = client.pipeline(transaction=False)
         for script, chunk in chunks:
             script.queue(pipe, *script_args(chunk))
+        if replication is not None:
+            # Behind every script on the pipeline's one connection: it covers them all.
+            pipe.execute_command(*replication.wait)
         replies: list[Any] = pipe.execute(raise_on_error=False)
+        acknowledged = replies.pop() if replication is not None else 0
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
+                # Sent apart, on a connection of its own: with its own WAIT.
                 script, chunk = chunks[i]
-                replies[i] = script(client, *script_args(chunk))
+                args = script_args(chunk)
+                if replication is None:
+                    replies[i] = script(client, *args)
+                else:
+                    replies[i] = replicated.renew(client, *args, replication, script=script)
             elif isinstance(reply, Exception):
                 raise reply
+        if isinstance(acknowledged, Exception):
+            raise acknowledged
+        if replication is not None:
+            renewed = any(any(reply) for reply in replies)
+            replicated.check_acknowledged(
+                client, int(acknowledged), replication, chunks[0][1][0].name, renewed=renewed
+            )
         return replies
 
     def _settle(self, lease: Lease, sent_at: float, pttl_ms: int) -> None:

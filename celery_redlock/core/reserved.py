@@ -24,7 +24,7 @@ from redis.connection import BlockingConnectionPool
 
 from .forks import in_forked_children
 
-__all__ = ["RESERVE_FROM_POOLS_OF", "Reserved", "checkout", "reserved_for"]
+__all__ = ["RESERVE_FROM_POOLS_OF", "Reserved", "checkout", "drop_connections", "reserved_for"]
 
 
 def checkout(pool: Any) -> Any:
@@ -83,3 +83,22 @@ def reserved_for(pool: Any) -> Reserved | None:
     # The fork hook comes first, so every reservation has one to forget it.
     in_forked_children(_forget_reserved)
     return _reserved.setdefault(pool, Reserved())
+
+
+def drop_connections(client: Any) -> None:
+    """Close ``client``'s idle connections, the one kept checked out included.
+
+    Each reconnects on its next use: a Sentinel client then asks the Sentinels
+    for the current master instead of writing on to the one it knew.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return
+    reserved = _reserved.get(pool)
+    if reserved is not None and reserved.busy.acquire(blocking=False):
+        try:
+            if reserved.connection is not None:
+                reserved.connection.disconnect()
+        finally:
+            reserved.busy.release()
+    pool.disconnect(inuse_connections=False)

@@ -30,7 +30,7 @@ __all__ = [
 
 def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
     # The first send may have taken the lock: let the resend find it ours.
-    return (*args[:3], "1")
+    return (*args[:3], "1", *args[4:])
 
 
 # Take the lock and draw a fence in one round trip.
@@ -42,6 +42,8 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
 # ARGV[4]  "0" on the first send; "1" when this same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
+# ARGV[5]  (optional) "1": no fence below the server clock in microseconds
+#          (replicated acquisition, see below)
 # Returns  the fence (an integer > 0) when the lock was taken (or, with ARGV[4]
 #          "1", already held with ARGV[1]), otherwise the table
 #          {holder's PTTL in ms (-1: no expiry), holder's value}.
@@ -53,6 +55,12 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # keys never pile up. Each draw renews the key's expiry, so a name in use never
 # reseeds: in steady state the fence is a plain INCR, which keeps fences
 # strictly increasing even if the server clock steps back.
+#
+# With ARGV[5] "1" every fence is also at least the server clock in
+# microseconds. A replica promoted by a failover may hold a counter behind the
+# old master's (draws that never replicated): its first fences then start from
+# its clock, above every fence handed out before the failover, instead of
+# repeating them.
 ACQUIRE = Script(
     "acquire",
     """
@@ -76,9 +84,13 @@ if not taken then
   end
 end
 local fence = redis.call('INCR', KEYS[2])
-if fence == 1 then
+local floor = 0
+if fence == 1 or ARGV[5] == '1' then
   local now = redis.call('TIME')
-  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+end
+if fence < floor then
+  fence = floor
   redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
 else
   redis.call('PEXPIRE', KEYS[2], ARGV[3])

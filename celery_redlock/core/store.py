@@ -19,7 +19,9 @@ forms ``redis+socket:///path`` and ``socket:///path`` (database in
 ``?virtual_host=N``) are read as ``unix:///path?db=N``. ``rediss+cluster://``
 is the TLS form of the Cluster URL. Parsing does no I/O, so a bad setting is
 reported when the worker starts (see :mod:`celery_redlock.core.store_setting`);
-clients are built on first use.
+clients are built on first use. ``redlock_min_replicas`` and
+``redlock_replica_timeout`` say how many replicas confirm each lock made here
+(see :mod:`celery_redlock.core.replication`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .exceptions import ConfigurationError
 from .lock import Lock
 from .permit import check_limit
 from .redlock import Redlock
+from .replica_settings import AUTO, auto_replicas
 from .scripts import RELEASE_HELD_BY
 from .semaphore import Semaphore
 from .semaphore_scripts import RELEASE_PERMITS_HELD_BY, semaphore_keys
@@ -92,6 +95,7 @@ class LockStore:
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
         self._client: Any = None
+        self._min_replicas: int | None = None
         self._guard = threading.Lock()
 
     @property
@@ -132,10 +136,10 @@ class LockStore:
             ConfigurationError: For a ``limit`` above 1 on Redlock masters:
                 the semaphore runs on one Redis, Sentinel or Cluster.
             redis.exceptions.RedisError: When building the client needs a
-                server that does not answer (Redis Cluster only).
+                server that does not answer (Redis Cluster only), or the first
+                lock of an ``"auto"`` ``redlock_min_replicas`` asks the
+                topology (Sentinel, Cluster) and it does not answer.
         """
-        if limit == 1 and type(limit) is int and self.spec.topology != "redlock":
-            return Lock(self.client, name, **kwargs)  # every task's lock: no detour
         if self.spec.topology == "redlock":
             if check_limit("limit", limit) != 1:
                 raise ConfigurationError(
@@ -145,7 +149,28 @@ class LockStore:
                     "several masters (Redlock), where a semaphore has no quorum version",
                 )
             return Redlock(self.client, name, **kwargs)
-        return admission_lock(self.client, name, limit=limit, **kwargs)
+        if limit != 1 or type(limit) is not int:
+            # Permits are not confirmed on replicas (yet): see docs/limits.md.
+            return admission_lock(self.client, name, limit=limit, **kwargs)
+        kwargs.setdefault("min_replicas", self.min_replicas())
+        if self.spec.replica_timeout is not None:
+            kwargs.setdefault("replica_timeout", self.spec.replica_timeout)
+        return Lock(self.client, name, **kwargs)
+
+    def min_replicas(self) -> int:
+        """How many replicas confirm each lock made here; ``"auto"`` asks the topology once.
+
+        Raises:
+            redis.exceptions.RedisError: When ``"auto"`` needs the topology and
+                it cannot be asked (the next call asks again).
+        """
+        if self._min_replicas is None:
+            value = self.spec.min_replicas
+            if value == AUTO:
+                value = auto_replicas(self.spec.topology, self.client)
+            assert isinstance(value, int)
+            self._min_replicas = value
+        return self._min_replicas
 
     def masters(self) -> list[Any]:
         """One plain client per master that holds locks, for health checks.

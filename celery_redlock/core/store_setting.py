@@ -4,20 +4,23 @@
 into a :class:`StoreSpec` without any I/O, so a bad setting is reported, under
 the name the user wrote, when the worker starts. The topologies and their URL
 forms are described in :mod:`celery_redlock.core.store`, which builds the
-clients.
+clients. ``redlock_min_replicas`` and ``redlock_replica_timeout`` (how many
+replicas confirm each lock, see :mod:`celery_redlock.core.replica_settings`)
+are read into the same :class:`StoreSpec`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
 
 from .exceptions import ConfigurationError
+from .replica_settings import AUTO, MinReplicas, replication_settings
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -67,12 +70,18 @@ class StoreSpec:
         setting: The setting the URLs came from, for messages.
         options: Sentinel options (``master_name``, ``min_other_sentinels``,
             ``sentinel_kwargs``); empty for the other topologies.
+        min_replicas: Replicas that must confirm each lock, or ``"auto"``
+            (decided by the topology on first use: see
+            :func:`~celery_redlock.core.replica_settings.auto_replicas`).
+        replica_timeout: Longest wait for them in seconds; ``None``: the lock's default.
     """
 
     topology: str
     urls: tuple[str, ...]
     setting: str = URL_SETTING
     options: Mapping[str, Any] = field(default_factory=dict)
+    min_replicas: MinReplicas = AUTO
+    replica_timeout: float | None = None
 
     def describe(self) -> str:
         """A one-line description without passwords, for messages and logs."""
@@ -91,8 +100,15 @@ def parse_store(conf: Mapping[str, Any]) -> StoreSpec:
 
     Raises:
         ConfigurationError: Naming ``redlock_url`` (or the options setting) and
-            the bad value, when neither gives a usable lock store.
+            the bad value, when neither gives a usable lock store; or naming
+            ``redlock_min_replicas`` or ``redlock_replica_timeout``.
     """
+    spec = _locate(conf)
+    min_replicas, timeout = replication_settings(conf, spec.topology)
+    return replace(spec, min_replicas=min_replicas, replica_timeout=timeout)
+
+
+def _locate(conf: Mapping[str, Any]) -> StoreSpec:
     value = conf.get(URL_SETTING)
     if value is not None:
         return _parse(value, URL_SETTING, conf.get(OPTIONS_SETTING), OPTIONS_SETTING)

@@ -8,9 +8,12 @@ Configured from the environment, like :mod:`tests.celery_apps.storm`:
     Result backend URL; also where histories and the fenced store live.
 ``REDLOCK_TEST_LOCK_URL``
     Lock store: one URL (a private redis-server the suite restarts, freezes and
-    flushes), or a JSON list of URLs (Redlock over private masters). The
-    lock-window task is registered only on a single store, the one topology
-    enqueue modes run on.
+    flushes), a JSON list of URLs (Redlock over private masters), or Sentinel
+    URLs (a private Sentinel group the suite fails over). The lock-window task
+    is registered only on a single store, the one topology enqueue modes run on.
+``REDLOCK_TEST_LOCK_OPTIONS``
+    (optional) ``redlock_transport_options`` as JSON: ``master_name`` of a
+    Sentinel lock store.
 ``REDLOCK_TEST_PREFIX``
     Key prefix of the locks and of the broker's and backend's keys.
 ``REDLOCK_TEST_QUEUE``
@@ -74,16 +77,25 @@ _LOCK_OPTIONS: dict[str, Any] = {
 
 
 def environment(
-    *, broker: str, backend: str, lock_url: str | Sequence[str], prefix: str, queue: str
+    *,
+    broker: str,
+    backend: str,
+    lock_url: str | Sequence[str],
+    prefix: str,
+    queue: str,
+    lock_options: Mapping[str, Any] | None = None,
 ) -> dict[str, str]:
     """The environment variables that configure the app (a list of URLs means Redlock)."""
-    return {
+    env = {
         "REDLOCK_TEST_BROKER": broker,
         "REDLOCK_TEST_BACKEND": backend,
         "REDLOCK_TEST_LOCK_URL": lock_url if isinstance(lock_url, str) else json.dumps(lock_url),
         "REDLOCK_TEST_PREFIX": prefix,
         "REDLOCK_TEST_QUEUE": queue,
     }
+    if lock_options is not None:
+        env["REDLOCK_TEST_LOCK_OPTIONS"] = json.dumps(dict(lock_options))
+    return env
 
 
 def lock_store_setting(value: str) -> str | list[str]:
@@ -107,6 +119,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         broker_url=env["REDLOCK_TEST_BROKER"],
         result_backend=backend,
         redlock_url=lock_url,
+        redlock_transport_options=json.loads(env.get("REDLOCK_TEST_LOCK_OPTIONS", "{}")),
         redlock_key_prefix=prefix,
         task_default_queue=env["REDLOCK_TEST_QUEUE"],
         control_exchange=f"{prefix}.ctl",
@@ -131,7 +144,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
         worker_lost_wait=1.0,
     )
     _register_tasks(app)
-    if isinstance(lock_url, str):
+    if isinstance(lock_url, str) and not lock_url.startswith("sentinel://"):
         _register_window_task(app)
         _register_limited_task(app)
     app.steps["consumer"].add(WakeUp)

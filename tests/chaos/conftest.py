@@ -2,8 +2,9 @@
 
 The scenarios of a module share one set of servers and workers, started once
 per module, because starting three workers costs more than most scenarios:
-private redis-servers as the lock store (one server, or five Redlock
-masters), a private redis-server as the broker (with an append-only file, so
+private redis-servers as the lock store (one server, five Redlock masters,
+or a Sentinel group: one master, one replica, three Sentinels), a private
+redis-server as the broker (with an append-only file, so
 restarting it drops connections but keeps the queues), and three prefork
 workers with two pool processes each. Results, histories and the fenced store
 live in db 9 of the shared Redis under the module's key prefix, which no fault
@@ -40,6 +41,7 @@ from tests.chaos import report
 from tests.chaos.checker import Execution, Verdict, check, load_executions
 from tests.chaos.history import FencedStore
 from tests.redis_servers import RedisServer
+from tests.redis_topologies import MASTER_NAME, LocalSentinel
 
 APP_MODULE = "tests.celery_apps.chaos"
 #: How often each scenario runs; the table sums its runs.
@@ -64,6 +66,8 @@ class CeleryChaos:
         workers: The three workers.
         db9: Client on the shared Redis db 9 (results, histories, fenced store).
         prefix: The module's key prefix.
+        sentinel: The Sentinel group of a Sentinel lock store (its master and
+            replica are the lock stores then).
     """
 
     lock_stores: list[RedisServer]
@@ -75,6 +79,7 @@ class CeleryChaos:
     env: dict[str, str]
     log_dir: Path
     runs: list[str] = field(default_factory=list)
+    sentinel: LocalSentinel | None = None
 
     @property
     def lock_store(self) -> RedisServer:
@@ -162,12 +167,18 @@ def _worker(env: dict[str, str], prefix: str, log_dir: Path, name: str) -> Celer
 
 
 @contextmanager
-def chaos_workers(binary: str, base: Path, lock_stores: list[RedisServer]) -> Iterator[CeleryChaos]:
+def chaos_workers(
+    binary: str, base: Path, lock_stores: list[RedisServer], sentinel: LocalSentinel | None = None
+) -> Iterator[CeleryChaos]:
     """A private broker and three prefork workers of the chaos app on ``lock_stores``.
 
     The lock stores are built (not started) by the caller: one server, or
-    Redlock masters. Everything started here is stopped by pid on exit.
+    Redlock masters. Or ``sentinel``, a running group the caller stops: its
+    servers are the lock stores. Everything started here is stopped by pid on
+    exit.
     """
+    if sentinel is not None:
+        lock_stores = [sentinel.master, *sentinel.replicas]
     prefix = f"rlc-{uuid.uuid4().hex[:12]}"
     db9 = redis.Redis.from_url(REDIS_URL)
     # fsync on every write: a restart of the broker then loses no message, and
@@ -180,16 +191,17 @@ def chaos_workers(binary: str, base: Path, lock_stores: list[RedisServer]) -> It
     workers: list[CeleryWorker] = []
     app = None
     try:
-        for store in lock_stores:
+        for store in lock_stores if sentinel is None else []:
             store.start()
         broker.start()
         urls = [store.url for store in lock_stores]
         env = chaos.environment(
             broker=broker.url,
             backend=REDIS_URL,
-            lock_url=urls[0] if len(urls) == 1 else urls,
+            lock_url=sentinel.url if sentinel else urls[0] if len(urls) == 1 else urls,
             prefix=prefix,
             queue=f"{prefix}.q",
+            lock_options={"master_name": MASTER_NAME} if sentinel else None,
         )
         app = chaos.create_app(env)
         workers = [_worker(env, prefix, base / "workers", str(i)) for i in range(WORKERS)]
@@ -198,7 +210,7 @@ def chaos_workers(binary: str, base: Path, lock_stores: list[RedisServer]) -> It
         except WorkerError as exc:
             pytest.fail(str(exc), pytrace=False)
         chaos_state = CeleryChaos(
-            lock_stores, broker, app, workers, db9, prefix, env, base / "workers"
+            lock_stores, broker, app, workers, db9, prefix, env, base / "workers", sentinel=sentinel
         )
         yield chaos_state
         # Replacements started during the run are stopped as well.
@@ -212,7 +224,7 @@ def chaos_workers(binary: str, base: Path, lock_stores: list[RedisServer]) -> It
             app.close()
         delete_prefixed_keys(db9, prefix)
         db9.close()
-        for store in lock_stores:
+        for store in lock_stores if sentinel is None else []:
             store.close()
         broker.close()
 
@@ -239,6 +251,18 @@ def redlock_chaos(
     ]
     with chaos_workers(redis_server_binary, base, masters) as state:
         yield state
+
+
+@pytest.fixture(scope="module")
+def sentinel_chaos(
+    redis_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryChaos]:
+    """Workers whose lock store is a Sentinel group (1 master, 1 replica, 3 Sentinels)."""
+    base = tmp_path_factory.mktemp("chaos-sentinel")
+    with LocalSentinel(redis_server_binary, base / "sentinel") as group:  # noqa: SIM117
+        # Two statements: Python 3.9 has no parenthesized context managers.
+        with chaos_workers(redis_server_binary, base, [], sentinel=group) as state:
+            yield state
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

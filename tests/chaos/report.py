@@ -43,6 +43,9 @@ SCENARIOS: dict[str, str] = {
     "Redlock, 5 masters: one restarted empty at once (rule broken)": (
         "NOT promised; fencing contains it"
     ),
+    "Sentinel lock store: planned failover (SENTINEL FAILOVER)": (
+        "safe, no loss (redlock_min_replicas 'auto': 1)"
+    ),
 }
 
 

@@ -20,7 +20,8 @@ from celery_redlock.celery.bootsteps import check_lock_store
 from celery_redlock.core.lock import fence_key_for
 from celery_redlock.core.renewal import Watchdog
 from celery_redlock.core.store import LockStore, parse_store
-from tests.redis_topologies import LocalCluster, wait_until
+from tests.grant_history import Locker, check_grants, lockers
+from tests.redis_topologies import LocalCluster, wait_replicas_online, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -160,3 +161,51 @@ def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, stor
     holders[1].release()
     waiter.release()
     assert node.zcard(keys.permits) == 0
+
+
+@pytest.mark.timeout(180)
+def test_cluster_failover_under_steady_locking(redis_server_binary, tmp_path):
+    """CLUSTER FAILOVER of one shard (6 nodes: 3 masters, 1 replica each) while a warm and
+    a fresh client lock keys on every shard: never two holders, never a repeated fence.
+
+    With a replica in every shard, "auto" confirms each lock with one replica.
+    The manual failover moves the shard's slots to its replica and makes the
+    old master its replica; a warm client's next command there is redirected
+    (MOVED) to the new master, where its locks go on.
+    """
+    with LocalCluster(redis_server_binary, tmp_path / "cluster6", replicas=1) as cluster:
+
+        def store() -> LockStore:
+            conf = {"redlock_url": cluster.url, "redlock_replica_timeout": 2.0}
+            return LockStore(parse_store(conf))
+
+        keys = [f"c4:v1:{{t.job:{i}}}" for i in range(9)]
+        assert len({cluster.node_of(key).port for key in keys}) == 3
+        probe = store()
+        assert probe.min_replicas() == 1
+        probe.close()
+        warm = Locker("warm", store, keys).start()
+        wait_until(lambda: warm.granted_since(0) >= 30, 30, "grants before the failover")
+        old = cluster.node_of(keys[0])
+        promoted = cluster.replica_of(old)
+        promoted.client().execute_command("CLUSTER", "FAILOVER")
+        wait_until(
+            lambda: promoted.client().info("replication")["role"] == "master",
+            30,
+            "the replica to take over its shard",
+        )
+        fresh = Locker("fresh", store, keys).start()
+        wait_replicas_online(promoted, 1, timeout=30)  # the old master follows it
+        recovered = time.monotonic()
+        moved = [key for key in keys if cluster.node_of(key).port == promoted.port]
+
+        def progressed() -> bool:
+            after = [g for g in warm.grants + fresh.grants if g.start > recovered]
+            return (
+                warm.granted_since(recovered) >= 10
+                and fresh.granted_since(recovered) >= 10
+                and any(g.key in moved for g in after)
+            )
+
+        wait_until(progressed, 30, "both clients to lock on every shard again")
+        check_grants(lockers(warm, fresh))
