@@ -34,6 +34,7 @@ __all__ = [
     "OnDuplicate",
     "OnRedisError",
     "Option",
+    "check_choice",
     "closest_option",
     "validate",
 ]
@@ -234,6 +235,17 @@ def validate(name: str, value: Any, source: str | None = None) -> Any:
         ConfigurationError: Naming ``source`` (default: the option's name).
     """
     return OPTIONS[name].validate(source or name, value)
+
+
+def check_choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``, for an integration's own policy sets.
+
+    Raises:
+        ConfigurationError: Naming ``setting`` and listing the choices.
+    """
+    if value not in choices:
+        raise ConfigurationError(setting, value, f"must be one of {', '.join(choices)}")
+    return str(value)
 
 
 def closest_option(name: str, valid: Any = None) -> str | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from celery_redlock.calls.guarded import run_guarded
-from celery_redlock.calls.options import validate
+from celery_redlock.calls.options import check_choice, validate
 from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
@@ -44,12 +44,6 @@ def _non_negative(setting: str, value: Any, *, allow_none: bool) -> float | None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise ConfigurationError(setting, value, "must be a non-negative number of seconds")
     return float(value)
-
-
-def _choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigurationError(setting, value, f"must be one of {', '.join(choices)}")
-    return str(value)
 
 
 # long because: its docstring documents each of its twelve options; the logic is short
@@ -125,10 +119,10 @@ def singleton(
     options = CallOptions(
         name=name or f"{func.__module__}.{func.__qualname__}",
         ttl=validate("ttl", ttl),
-        on_conflict=_choice("on_conflict", on_conflict, CONFLICT_ACTIONS),
+        on_conflict=check_choice("on_conflict", on_conflict, CONFLICT_ACTIONS),
         wait_timeout=_non_negative("wait_timeout", wait_timeout, allow_none=True),
         wait_sleep=cast(float, _non_negative("wait_sleep", wait_sleep, allow_none=False)),
-        on_redis_error=_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
+        on_redis_error=check_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
         skipped=skipped,
         limit=validate("limit", limit),
     )

@@ -43,7 +43,13 @@ from celery_redlock.calls.decisions import (
     requeue_countdown,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
-from celery_redlock.calls.options import LockOptions, OnConflict, OnRedisError, validate
+from celery_redlock.calls.options import (
+    LockOptions,
+    OnConflict,
+    OnRedisError,
+    check_choice,
+    validate,
+)
 from celery_redlock.core.admission import AdmissionLock, admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
@@ -104,12 +110,6 @@ redis.call('SET', KEYS[1], ARGV[1] .. '|' .. string.format('%d', now_ms), 'PX', 
 return false
 """,
 )
-
-
-def _choice(setting: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ConfigurationError(setting, value, f"must be one of {', '.join(choices)}")
-    return str(value)
 
 
 # long because: its docstring documents each of its thirteen options; the logic is short
@@ -182,8 +182,10 @@ def singleton_job(
     options = LockOptions(
         ttl=validate("ttl", ttl),
         key=validate("key", key),
-        on_conflict=OnConflict(_choice("on_conflict", on_conflict, CONFLICT_ACTIONS)),
-        on_redis_error=OnRedisError(_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS)),
+        on_conflict=OnConflict(check_choice("on_conflict", on_conflict, CONFLICT_ACTIONS)),
+        on_redis_error=OnRedisError(
+            check_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS)
+        ),
         requeue_delay=validate("requeue_delay", requeue_delay),
         requeue_max_delay=validate("requeue_max_delay", requeue_max_delay),
         requeue_jitter=validate("requeue_jitter", requeue_jitter),
