@@ -56,7 +56,7 @@ def test_a_callable_lock_key_given_in_the_decorator_is_called_with_args_and_kwar
 
 @pytest.mark.parametrize(
     ("misspelt", "closest"),
-    [("lock_tll", "lock_ttl"), ("lock_on_conflcit", "lock_on_conflict"), ("lock_whatever", None)],
+    [("lock_tll", "lock_ttl"), ("lock_on_conflcit", "lock_on_conflict"), ("lock_xyzzy", None)],
 )
 def test_a_misspelt_lock_option_fails_when_the_task_is_bound(misspelt, closest):
     app = Celery(f"typo-{uuid.uuid4().hex[:8]}", set_as_current=False)
