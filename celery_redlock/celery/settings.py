@@ -88,14 +88,15 @@ def unknown_task_options(task: Any) -> list[tuple[str, str | None]]:
     ``lock_key_for`` is a method of the task class, not an option.
     """
     known = {f"lock_{name}" for name in OPTIONS} | {"lock_key_for"}
-    found = []
-    for klass in type(task).__mro__ if not isinstance(task, type) else task.__mro__:
+    found = set()
+    for klass in task.__mro__ if isinstance(task, type) else type(task).__mro__:
         for attribute in vars(klass):
             if attribute.startswith("lock_") and attribute not in known:
-                found.append(
-                    (attribute, closest_option(attribute, sorted(known - {"lock_key_for"})))
-                )
-    return sorted(set(found))
+                # Compared without the shared "lock_", which would make every
+                # name look close to some option.
+                closest = closest_option(attribute[len("lock_") :], OPTIONS)
+                found.add((attribute, f"lock_{closest}" if closest else None))
+    return sorted(found)
 
 
 def resolve(
