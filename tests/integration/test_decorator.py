@@ -173,6 +173,40 @@ def test_async_function_skip_raise_and_wait(redis_server):
     asyncio.run(scenario())
 
 
+def test_async_function_releases_when_it_raises_or_is_cancelled(redis_server):
+    """An async call that raises, or is cancelled while it holds the lock, releases it at once."""
+
+    async def scenario():
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        entered = asyncio.Event()
+
+        # A TTL far beyond the test: a key that is gone was released, it did not expire.
+        @singleton(client=client, ttl=60)
+        async def body(how):
+            entered.set()
+            if how == "raise":
+                raise ValueError(how)
+            await asyncio.Event().wait()  # until cancelled
+
+        with pytest.raises(ValueError):
+            await body("raise")
+        assert not await client.exists(body.lock_key_for("raise"))
+
+        entered.clear()
+        call = asyncio.ensure_future(body("cancel"))
+        await entered.wait()
+        assert await client.exists(body.lock_key_for("cancel"))
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # CancelledError is no Exception: only a release in the call's finally runs for it.
+        assert not await client.exists(body.lock_key_for("cancel"))
+        assert current_lock() is None
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_async_function_with_url_gets_a_client_per_loop(redis_server):
     """With url=, an async function works across separate asyncio.run() calls."""
 

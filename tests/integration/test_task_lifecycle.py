@@ -128,6 +128,48 @@ def test_success_releases_before_the_result_is_visible(make_app, redis_server, m
     assert lock_keys(redis_server) == []
 
 
+@pytest.mark.parametrize("outcome", ["SUCCESS", "FAILURE"])
+@pytest.mark.parametrize("mode", ["while_executing", "until_executed", "until_and_while_executing"])
+def test_every_locked_mode_releases_before_any_outcome_is_stored(
+    make_app, redis_server, monkeypatch, mode, outcome
+):
+    """In every mode that locks the run, its keys are gone when SUCCESS or FAILURE is stored.
+
+    A caller that sees either outcome may publish the same call at once: it must
+    neither meet the finished run's lock nor be folded into its reservation.
+    """
+    app = make_app()
+    held: list[bool] = []
+    seen_when_stored: list[tuple[str, list[bytes]]] = []
+
+    @app.task(base=SingletonTask, name=f"t.ends.{mode}", lock_mode=mode)
+    def ends(x):
+        held.append(current_lock() is not None)
+        if outcome == "FAILURE":
+            raise ValueError(x)
+        return x
+
+    # As above: look at the keys from inside the result store, when the outcome
+    # becomes visible (on the class: each worker thread has its own backend).
+    backend_class = type(app.backend)
+    store_result = backend_class.store_result
+
+    def store_and_look(self, task_id, result, state, *args, **kwargs):
+        if state in ("SUCCESS", "FAILURE"):
+            seen_when_stored.append((state, lock_keys(redis_server)))
+        return store_result(self, task_id, result, state, *args, **kwargs)
+
+    monkeypatch.setattr(backend_class, "store_result", store_and_look)
+    with worker(app):
+        for x in range(3):
+            result = ends.delay(x)
+            result.get(timeout=10, propagate=False)
+            assert result.state == outcome
+    assert held == [True] * 3
+    assert seen_when_stored == [(outcome, [])] * 3
+    assert lock_keys(redis_server) == []
+
+
 def test_failure_releases(make_app, redis_server):
     """A task that raises releases its lock and fails normally."""
     app = make_app()

@@ -20,6 +20,7 @@ RUNS = "jobs:runs"
 RELEASE = "jobs:release"
 LOG = "jobs:log"
 HOLDERS = "jobs:holders"
+PID = "jobs:pid"
 #: Environment variable naming the lock store of ``locked_elsewhere`` (a worker's setting).
 LOCK_STORE_ENV = "REDLOCK_TEST_RQ_LOCK_STORE"
 
@@ -82,6 +83,20 @@ def fails_first(item):
     connection = _connection()
     if connection.incr(RUNS) == 1:
         raise ValueError(f"the first run of {item} fails")
+    return f"ran {item}"
+
+
+@singleton_job(ttl=60, on_conflict="skip", skipped="SKIPPED")
+def dies_holding(item):
+    """The first run records its process id and holds the lock until the test kills it.
+
+    Later runs count and return. The TTL outlives the test: the dead run's lock
+    is gone only when the test deletes it.
+    """
+    connection = _connection()
+    if connection.incr(RUNS) == 1:
+        connection.set(PID, os.getpid())
+        _wait_for_release(connection)
     return f"ran {item}"
 
 

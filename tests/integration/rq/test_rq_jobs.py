@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -10,7 +12,7 @@ from rq.job import JobStatus
 from rq.registry import FailedJobRegistry
 
 from celery_redlock import ConfigurationError
-from celery_redlock.rq import enqueue_once, singleton_job
+from celery_redlock.rq import REQUEUES_META, SKIP_META, enqueue_once, singleton_job
 from tests.rq_apps import jobs
 from tests.rq_harness import rq_workers, wait_until
 
@@ -147,5 +149,36 @@ def test_a_failing_job_releases_its_lock(redis_server, tmp_path):
         assert worker.wait(60) == 0, worker.log()
     assert second.get_status() == JobStatus.FINISHED, worker.log()
     assert second.return_value() == "ran x"
+    assert int(client.get(jobs.RUNS)) == 2
+    assert not client.exists(key)
+
+
+@pytest.mark.timeout(90)
+def test_a_rerun_meeting_its_own_dead_runs_lock_waits_instead_of_skipping(redis_server, tmp_path):
+    """A job requeued after its work-horse died meets its own lock: it waits, never skips.
+
+    Under on_conflict="skip" a duplicate is dropped; the job's own earlier run is
+    no duplicate. Skipping it would lose the job for good, its only run having died.
+    """
+    client = redis_server.client()
+    queue = Queue("rerun", connection=client)
+    key = jobs.dies_holding.lock_key_for("x")
+    job = queue.enqueue(jobs.dies_holding, "x")
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, scheduler=True) as (worker,):
+        wait_until(lambda: client.exists(jobs.PID), 30, "the first run to start")
+        os.kill(int(client.get(jobs.PID)), signal.SIGKILL)  # the work-horse, not the worker
+        wait_until(lambda: job.get_status() == JobStatus.FAILED, 30, "the run to be failed")
+        assert client.exists(key)  # the dead run's lock (TTL 60 s) is still there
+        job.requeue()
+        wait_until(
+            lambda: REQUEUES_META in job.get_meta() or job.get_status() == JobStatus.FINISHED,
+            30,
+            "the rerun to meet the lock",
+        )
+        assert job.get_meta().get(SKIP_META) is None, worker.log()
+        assert job.get_status() != JobStatus.FINISHED, worker.log()
+        client.delete(key)  # as if the dead run's lock expired now
+        wait_until(lambda: job.get_status() == JobStatus.FINISHED, 60, "the rerun to run")
+    assert job.return_value() == "ran x"
     assert int(client.get(jobs.RUNS)) == 2
     assert not client.exists(key)
