@@ -251,7 +251,7 @@ def test_batched_renewals_share_one_wait_behind_their_scripts(pair):
     client = master.client()
     watchdog = Watchdog(batch_size=2)  # five leases: three script calls per pass
     locks = [
-        Lock(client, f"batch{i}", timeout=1.5, min_replicas=1, replica_timeout=0.3,
+        Lock(client, f"batch{i}", timeout=1.5, min_replicas=1, replica_timeout=1.0,
              auto_renew=True, watchdog=watchdog)
         for i in range(5)
     ]  # fmt: skip
