@@ -39,7 +39,7 @@ from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
-from celery_redlock.core.lock import Lease
+from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
@@ -130,6 +130,8 @@ class TaskGuard(Guard[Any]):
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
         self.rate_keys = rate_keys(task.name, task.run, options)
         self._limiter: RateLimiter | None = None
+        # The first plain Lock built, whose options later calls' locks copy.
+        self._template: Lock | None = None
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
@@ -151,14 +153,14 @@ class TaskGuard(Guard[Any]):
     def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
         """Describe the running request's call: its key, and the holder its lock will name."""
         task, request = self.task, self.task.request
-        holder = Holder.new(
+        value = Holder.new_value(
             request.id,
             request.hostname,
             ttl=self.options.ttl,
             queue=self.queue or queue_of(request.delivery_info),
         )
         label = f"task {task.name}[{request.id}]"
-        call = TaskCall(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
+        call = TaskCall(self.keys.key_for(args, kwargs), value, label, request.id)
         call.met_itself = self._met_itself(request)
         if self.rate_keys is not None:
             call.rate_key = self.rate_keys.key_for(args, kwargs)
@@ -196,7 +198,20 @@ class TaskGuard(Guard[Any]):
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
+        template = self._template
+        if template is not None:
+            task_id = call.call_id
+            return template.renamed(
+                call.key,
+                on_lost=lambda lease: self._report_lost(lease, task_id),
+                label=call.label,
+            )
+        lock = self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
+        if type(lock) is Lock:
+            # A plain Lock's options are the same for every call of this guard:
+            # later calls copy them instead of checking them again.
+            self._template = lock
+        return lock
 
     def _lock_options(self, call: Call) -> dict[str, Any]:
         """The options of every run's lock, whichever class takes it."""

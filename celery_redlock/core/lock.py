@@ -132,6 +132,19 @@ class Lock(LockSettings):
         self._watchdog = watchdog
         self.local: LockState = ThreadState() if self.thread_local else SharedState()
 
+    def renamed(
+        self: _LockT, name: str, *, on_lost: LostCallback | None, label: str | None
+    ) -> _LockT:
+        """Return a lock on key ``name`` with this one's options (checked once, when built)."""
+        lock = object.__new__(type(self))
+        lock.__dict__.update(self.__dict__)
+        lock.name = name
+        lock.fence_key = fence_key_for(name)
+        lock.on_lost = on_lost
+        lock.label = label
+        lock.local = ThreadState() if self.thread_local else SharedState()
+        return lock
+
     # -- redis-py compatible API ------------------------------------------------
 
     def __enter__(self: _LockT) -> _LockT:
