@@ -62,7 +62,7 @@ class Script:
     ``ConnectionError`` is then raised).
     """
 
-    __slots__ = ("check_connection", "name", "resend", "sha", "source")
+    __slots__ = ("_heads", "check_connection", "name", "resend", "sha", "source")
 
     def __init__(
         self,
@@ -86,6 +86,8 @@ class Script:
         #: connection, nor with maintenance notifications enabled (redis-py 8's
         #: default).
         self.check_connection = check_connection
+        # (keys, keys + args) -> the packed "EVALSHA sha numkeys" of such a call.
+        self._heads: dict[tuple[int, int], bytes] = {}
 
     def __call__(
         self,
@@ -168,12 +170,41 @@ class Script:
     ) -> Any:
         if then is not None:
             return self._run_then(connection, keys, args, then)
-        connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        connection.send_packed_command([self._pack(connection, keys, args)])
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
+
+    def _pack(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
+        """Pack ``EVALSHA`` of this script in RESP, its constant head built once per arity.
+
+        Arguments are encoded by the connection's own encoder (bytes as they
+        are), so the command is exactly what ``send_command`` would send.
+        """
+        items = (*keys, *args)
+        head = self._heads.get((len(keys), len(items)))
+        if head is None:
+            numkeys = str(len(keys)).encode()
+            head = self._heads[(len(keys), len(items))] = (
+                b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n"
+                % (len(items) + 3, self.sha.encode(), len(numkeys), numkeys)
+            )
+        parts = [head]
+        encoder = connection.encoder
+        for item in items:
+            value: bytes
+            if isinstance(item, bytes):
+                value = item
+            elif isinstance(item, str):
+                value = item.encode(encoder.encoding, encoder.encoding_errors)
+            elif isinstance(item, int) and type(item) is int:  # not bool, not an enum
+                value = b"%d" % item
+            else:  # floats, and the types the encoder refuses
+                value = encoder.encode(item)
+            parts.append(b"$%d\r\n%s\r\n" % (len(value), value))
+        return b"".join(parts)
 
     def _run_then(
         self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg]
