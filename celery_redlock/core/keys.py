@@ -84,8 +84,12 @@ def canonical_json(value: Any) -> str:
     return _dumps(_canonical(value))
 
 
+# One encoder for every key: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(canonical: Any) -> str:
-    return json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(canonical)
 
 
 class KeyBuilder:
@@ -133,6 +137,14 @@ class KeyBuilder:
                 (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
                 None,
             )
+        # Parameters that positional arguments alone fill, when every one of
+        # them is a plain parameter without a default: such calls bind by zip.
+        self._positional: tuple[str, ...] | None = None
+        if self.signature is not None and all(
+            p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+            for p in self.signature.parameters.values()
+        ):
+            self._positional = tuple(self.signature.parameters)
         if spec is not None and not callable(spec):
             names = [spec] if isinstance(spec, str) else list(spec)
             if self.signature is not None and self._extra_keywords is None:
@@ -194,6 +206,9 @@ class KeyBuilder:
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:
             return {"args": list(args), "kwargs": dict(kwargs)}
+        names = self._positional
+        if names is not None and not kwargs and len(args) == len(names):
+            return dict(zip(names, args))
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
