@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
 
@@ -64,14 +63,24 @@ T = TypeVar("T")
 _guarded_task_id: ContextVar[str | None] = ContextVar("celery_redlock_guarded_task", default=None)
 
 
-@contextmanager
-def guarding(request: Any) -> Iterator[None]:
+class _Guarding:
+    """The ``with`` block of :func:`guarding`: a class, not a generator (it wraps every task)."""
+
+    __slots__ = ("task_id", "token")
+
+    def __init__(self, task_id: str | None) -> None:
+        self.task_id = task_id
+
+    def __enter__(self) -> None:
+        self.token = _guarded_task_id.set(self.task_id)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _guarded_task_id.reset(self.token)
+
+
+def guarding(request: Any) -> _Guarding:
     """Mark the task of ``request`` as running under its lock in this context."""
-    token = _guarded_task_id.set(request.id)
-    try:
-        yield
-    finally:
-        _guarded_task_id.reset(token)
+    return _Guarding(request.id)
 
 
 def called_inside(request: Any) -> bool:
@@ -198,18 +207,11 @@ class TaskGuard(Guard[Any]):
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        template = self._template
-        if template is not None:
-            task_id = call.call_id
-            return template.renamed(
-                call.key,
-                on_lost=lambda lease: self._report_lost(lease, task_id),
-                label=call.label,
-            )
-        lock = self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
-        if type(lock) is Lock:
-            # A plain Lock's options are the same for every call of this guard:
-            # later calls copy them instead of checking them again.
+        options = self._lock_options(call)
+        if self._template is not None:
+            return self._template.renamed(call.key, on_lost=options["on_lost"], label=call.label)
+        lock = self.store.lock(call.key, limit=self.options.limit, **options)
+        if type(lock) is Lock:  # the same options for every call: later calls copy them
             self._template = lock
         return lock
 
