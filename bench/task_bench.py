@@ -83,6 +83,10 @@ POLL_CHUNK = 128
 WORKER_QUEUE_IDLE = "task_bench.idle"
 
 
+#: The worker pools the benchmark can run, as its parameters describe them.
+POOLS = {"prefork": "prefork -c 2", "solo": "solo", "threads": "threads -c 2"}
+
+
 class BenchError(RuntimeError):
     """The benchmark could not run (a server or the worker did not start, a run timed out)."""
 
@@ -150,10 +154,13 @@ def private_redis(workdir: Path, name: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def celery_worker(app: Any, env: dict[str, str], log_path: Path, node: str) -> Iterator[int]:
-    """Run the prefork worker of ``bench.task_app`` on the idle queue until the block ends."""
-    argv = [sys.executable, "-m", "celery", "-A", "bench.task_app", "worker"]
-    argv += ["-P", "prefork", "-c", "2", "--without-mingle", "--without-gossip"]
+def celery_worker(
+    app: Any, env: dict[str, str], log_path: Path, node: str, pool: str = "prefork"
+) -> Iterator[int]:
+    """Run the worker of ``bench.task_app`` (prefork, solo or threads) until the block ends."""
+    argv = [sys.executable, "-m", "celery", "-A", "bench.task_app", "worker", "-P", pool]
+    argv += [] if pool == "solo" else ["-c", "2"]
+    argv += ["--without-mingle", "--without-gossip"]
     argv += ["--without-heartbeat", "-Q", WORKER_QUEUE_IDLE, "-n", node, "-l", "WARNING"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -624,11 +631,12 @@ def measure(args: argparse.Namespace) -> Report:
                     "storm": args.storm,
                     "warmup": args.warmup,
                     "count_tasks": args.count_tasks,
-                    "worker": "prefork -c 2, -l WARNING, default prefetch (4 x 2)",
+                    "worker": f"{POOLS[args.pool]}, -l WARNING, default prefetch",
                 },
             )
             node = f"taskbench{os.getpid()}@localhost"
-            with celery_worker(app, env, workdir / "worker.log", node) as worker_pid:
+            log = workdir / "worker.log"
+            with celery_worker(app, env, log, node, args.pool) as worker_pid:
                 bench = Bench(app, node, broker, lock, stop_key, worker_pid)
                 _log("worker ready; warming up")
                 for label, name in CONTENDERS:
@@ -1003,6 +1011,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, measure, print the Markdown section and write it to RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per contender per round")
+    parser.add_argument("--pool", choices=sorted(POOLS), default="prefork", help="worker pool")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--storm", type=int, default=500, help="duplicates in the skip storm")
     parser.add_argument("--warmup", type=int, default=200, help="warm-up tasks per contender")
