@@ -108,6 +108,18 @@ class StatsTable:
         with self._lock:
             self._cells[cell] += amount
 
+    def add_many(self, task: str, amounts: Iterable[tuple[int, int]]) -> None:
+        """Add each ``(counter, amount)`` of ``amounts`` to ``task``'s row, under one lock."""
+        row = self._rows.get(task)
+        if row is None:
+            row = self._rows[OTHER_TASKS]
+        base = self._base if self._base is not None else self._own_base()
+        start = base + row * len(self.counters)
+        cells = self._cells
+        with self._lock:
+            for counter, amount in amounts:
+                cells[start + counter] += amount
+
     def totals(self) -> dict[str, dict[str, int]]:
         """Return the sums over every process, per task; tasks never counted are left out."""
         result: dict[str, dict[str, int]] = {}
