@@ -16,11 +16,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
+from redis.utils import HIREDIS_AVAILABLE
 
 from .reserved import checkout, reserved_for
 
 __all__ = ["Arg", "Resend", "Script"]
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = None
+if HIREDIS_AVAILABLE:
+    from hiredis import pack_command as _hiredis_pack
 
 #: One key or argument of a script, as redis-py sends it.
 Arg = Union[str, bytes, int, float]
@@ -180,9 +185,15 @@ class Script:
     def _pack(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
         """Pack ``EVALSHA`` of this script in RESP, its constant head built once per arity.
 
-        Arguments are encoded by the connection's own encoder (bytes as they
-        are), so the command is exactly what ``send_command`` would send.
+        With hiredis, by hiredis as redis-py packs; else by the connection's
+        own encoder (bytes as they are): exactly what ``send_command`` sends.
         """
+        if _hiredis_pack is not None:
+            # What redis-py's own packer does when hiredis is installed.
+            try:
+                return _hiredis_pack((b"EVALSHA", self.sha, len(keys), *keys, *args))
+            except TypeError as exc:
+                raise DataError(str(exc)) from exc
         items = (*keys, *args)
         head = self._heads.get((len(keys), len(items)))
         if head is None:
