@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -33,6 +34,7 @@ from .lock_options import (
     positive_seconds,
 )
 from .lock_state import LockState, SharedState, ThreadState
+from .queue_scripts import FAIR_ACQUIRE, Place, queue_keys
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -168,6 +170,7 @@ class Lock(LockSettings):
         blocking: bool | None = None,
         blocking_timeout: Number | None = None,
         token: str | bytes | None = None,
+        place: Place | None = None,
     ) -> bool:
         """Take the lock; return ``True`` once held, ``False`` if not (non-blocking or timed out).
 
@@ -176,6 +179,10 @@ class Lock(LockSettings):
             blocking: Wait for the lock (default: the lock's ``blocking``).
             blocking_timeout: Longest wait in seconds (default: the lock's).
             token: Value to store; default 16 random bytes from ``secrets``, hex.
+            place: Wait in line for the key (see
+                :mod:`~celery_redlock.core.queue_scripts`): taken only when no
+                older waiter is in line, else join it; :attr:`refusal` then
+                tells the place. Ignored with ``min_replicas`` or without fencing.
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
@@ -190,11 +197,12 @@ class Lock(LockSettings):
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
+        self.local.place = None
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
         while True:
-            if self.do_acquire(encoded):
+            if self.do_acquire(encoded) if place is None else self._queued(encoded, place):
                 lease = self.local.lease
                 # The value stored may be the token with an attempt number (Redlock).
                 self.local.token = encoded if lease is None else lease.token
@@ -249,6 +257,35 @@ class Lock(LockSettings):
             return False
         self.local.holder = None
         self.local.lease = self._new_lease(Lease, self.redis, token, fence, sent_at)
+        return True
+
+    def _queued(self, token: bytes, place: Place) -> bool:
+        """One attempt in line (:data:`FAIR_ACQUIRE`); as :meth:`do_acquire` otherwise.
+
+        Locks that take their key their own way (a subclass's
+        :meth:`do_acquire`, ``min_replicas``, no fencing) are not queued.
+        """
+        self.local.place = None
+        if (
+            type(self).do_acquire is not Lock.do_acquire
+            or self.replication is not None
+            or not self.fencing
+        ):
+            return self.do_acquire(token)
+        sent_at = self._clock()
+        keys = (self.name, self.fence_key, *queue_keys(self.name))
+        args = (token, self._ttl_ms, self._fence_retention_ms, "0", "0", *place.args())
+        reply = FAIR_ACQUIRE(self.redis, keys, args)
+        if isinstance(reply, list):
+            holder_ttl_ms, holder, rank, queued, arrival, now_ms = reply
+            self.local.holder = (
+                holder.decode("utf-8", "replace") if isinstance(holder, bytes) else holder,
+                holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
+            )
+            self.local.place = (int(rank), int(queued), int(float(arrival)), int(now_ms))
+            return False
+        self.local.holder = None
+        self.local.lease = self._new_lease(Lease, self.redis, token, int(reply), sent_at)
         return True
 
     def _new_lease(
@@ -369,7 +406,12 @@ class Lock(LockSettings):
         Read it after :meth:`acquire` returned ``False``; after a successful
         acquire it says nothing (both fields ``None``).
         """
-        return Refusal.of(self.local.holder)
+        refusal = Refusal.of(self.local.holder)
+        place = self.local.place
+        if place is None:
+            return refusal
+        rank, queued, arrival, now_ms = place
+        return replace(refusal, rank=rank, waiting=queued, arrival_us=arrival, now_ms=now_ms)
 
     @property
     def token(self) -> bytes | None:

@@ -75,7 +75,7 @@ def semaphore_keys(name: str) -> SemaphoreKeys:
 
 def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
     # The first send may have taken the permit: let the resend find it ours.
-    return (*args[:6], "1")
+    return (*args[:6], "1", *args[7:])
 
 
 # Take a permit and draw its fence in one round trip, reclaiming expired permits first.
@@ -94,10 +94,16 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          joins (or stays on) the wait list, its entry lapsing after this long
 # ARGV[7]  "0" on the first send; "1" when the same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
+# ARGV[8..10] (optional) a place in line (queue_scripts.Place): who waits
+#          (default ARGV[1]), its first arrival in microseconds ("" or absent:
+#          now; an older one moves the entry forward), and how long its entry
+#          lasts while it is among the next `limit` in line (ARGV[6] further back)
 # Returns  {1, fence, slot, member} when a permit was taken (or, with ARGV[7]
 #          "1", already held with ARGV[1]); otherwise {0, PTTL in ms of the
 #          permit reported (-1: none), that permit's token (nil: none), permits
-#          held, waiters queued}. The permit reported is one naming the same
+#          held, waiters queued, the caller's rank in line (-1: not in line),
+#          its arrival in microseconds (-1: none), the server clock in ms}.
+#          The permit reported is one naming the same
 #          owner (or token) when there is one, which refuses the call even if a
 #          permit is free: a redelivered task must not run beside its first
 #          delivery; otherwise the permit that expires first.
@@ -113,6 +119,10 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
+local entry = ARGV[1]
+if ARGV[8] and ARGV[8] ~= '' then
+  entry = ARGV[8]
+end
 local queued = redis.call('ZCARD', KEYS[3])
 if queued > 0 then
   local lapsed = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
@@ -157,7 +167,7 @@ if own == nil and held < limit then
   if queued == 0 then
     admitted = true
   else
-    local rank = redis.call('ZRANK', KEYS[3], ARGV[1])
+    local rank = redis.call('ZRANK', KEYS[3], entry)
     if rank then
       admitted = rank < limit - held
     else
@@ -184,16 +194,26 @@ if admitted then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
   if queued > 0 then
-    redis.call('ZREM', KEYS[3], ARGV[1])
-    redis.call('ZREM', KEYS[4], ARGV[1])
+    redis.call('ZREM', KEYS[3], entry)
+    redis.call('ZREM', KEYS[4], entry)
   end
   return {1, fence, slot, member}
 end
 local wait = tonumber(ARGV[6])
+local rank = -1
 if wait > 0 and own == nil then
   local arrival = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  redis.call('ZADD', KEYS[3], 'NX', arrival, ARGV[1])
-  redis.call('ZADD', KEYS[4], now + wait, ARGV[1])
+  if ARGV[9] and ARGV[9] ~= '' then
+    redis.call('ZADD', KEYS[3], 'LT', ARGV[9], entry)
+  else
+    redis.call('ZADD', KEYS[3], 'NX', arrival, entry)
+  end
+  rank = redis.call('ZRANK', KEYS[3], entry)
+  local life = wait
+  if ARGV[10] and rank < limit then
+    life = tonumber(ARGV[10])
+  end
+  redis.call('ZADD', KEYS[4], now + life, entry)
   for k = 3, 4 do
     if redis.call('PTTL', KEYS[k]) < wait then
       redis.call('PEXPIRE', KEYS[k], wait)
@@ -209,7 +229,8 @@ local pttl = -1
 if reported_at ~= nil then
   pttl = reported_at - now
 end
-return {0, pttl, reported or false, held, queued}
+local arrived = redis.call('ZSCORE', KEYS[3], entry) or -1
+return {0, pttl, reported or false, held, queued, rank, arrived, now}
 """,
     resend=_acquire_again,
 )
