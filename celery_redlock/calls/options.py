@@ -132,6 +132,12 @@ def _count(setting: str, value: Any) -> int:
     return value
 
 
+def _flag(setting: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(setting, value, "must be True or False")
+    return value
+
+
 def _limit(setting: str, value: Any) -> int:
     return check_limit(setting, value)
 
@@ -193,6 +199,8 @@ class LockOptions:
             ``"20/s"``, ``"10/5s"``), or ``None``: see docs/limits.md.
         rate_key: Which arguments make the rate key (like ``key``); ``None``:
             the same as the lock key.
+        fair: Requeued calls wait in line: the oldest is admitted first when
+            the key frees (see docs/conflicts.md); ``False``: plain backoff.
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -210,6 +218,7 @@ class LockOptions:
     limit: int = _option(1, _limit)
     rate: Rate | None = _option(None, _rate, app_wide=False)
     rate_key: KeySpec = _option(None, _key_spec, app_wide=False)
+    fair: bool = _option(True, _flag)
 
 
 @dataclass(frozen=True)

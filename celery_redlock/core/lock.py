@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 from dataclasses import replace
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -26,6 +27,7 @@ from . import replication as replicated
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
+from .line import attempt_in_line
 from .lock_options import (
     DEFAULT_FENCE_RETENTION,
     LockSettings,
@@ -34,7 +36,7 @@ from .lock_options import (
     positive_seconds,
 )
 from .lock_state import LockState, SharedState, ThreadState
-from .queue_scripts import FAIR_ACQUIRE, Place, queue_keys
+from .queue_scripts import Place
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -179,10 +181,8 @@ class Lock(LockSettings):
             blocking: Wait for the lock (default: the lock's ``blocking``).
             blocking_timeout: Longest wait in seconds (default: the lock's).
             token: Value to store; default 16 random bytes from ``secrets``, hex.
-            place: Wait in line for the key (see
-                :mod:`~celery_redlock.core.queue_scripts`): taken only when no
-                older waiter is in line, else join it; :attr:`refusal` then
-                tells the place. Ignored with ``min_replicas`` or without fencing.
+            place: Wait in line (:mod:`~celery_redlock.core.queue_scripts`):
+                taken only when no older waiter is in line, else join it.
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
@@ -198,11 +198,12 @@ class Lock(LockSettings):
             blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
         self.local.place = None
+        in_line = partial(attempt_in_line, self, plain=type(self).do_acquire is Lock.do_acquire)
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
         while True:
-            if self.do_acquire(encoded) if place is None else self._queued(encoded, place):
+            if self.do_acquire(encoded) if place is None else in_line(encoded, place):
                 lease = self.local.lease
                 # The value stored may be the token with an attempt number (Redlock).
                 self.local.token = encoded if lease is None else lease.token
@@ -257,35 +258,6 @@ class Lock(LockSettings):
             return False
         self.local.holder = None
         self.local.lease = self._new_lease(Lease, self.redis, token, fence, sent_at)
-        return True
-
-    def _queued(self, token: bytes, place: Place) -> bool:
-        """One attempt in line (:data:`FAIR_ACQUIRE`); as :meth:`do_acquire` otherwise.
-
-        Locks that take their key their own way (a subclass's
-        :meth:`do_acquire`, ``min_replicas``, no fencing) are not queued.
-        """
-        self.local.place = None
-        if (
-            type(self).do_acquire is not Lock.do_acquire
-            or self.replication is not None
-            or not self.fencing
-        ):
-            return self.do_acquire(token)
-        sent_at = self._clock()
-        keys = (self.name, self.fence_key, *queue_keys(self.name))
-        args = (token, self._ttl_ms, self._fence_retention_ms, "0", "0", *place.args())
-        reply = FAIR_ACQUIRE(self.redis, keys, args)
-        if isinstance(reply, list):
-            holder_ttl_ms, holder, rank, queued, arrival, now_ms = reply
-            self.local.holder = (
-                holder.decode("utf-8", "replace") if isinstance(holder, bytes) else holder,
-                holder_ttl_ms / 1000 if holder_ttl_ms >= 0 else None,
-            )
-            self.local.place = (int(rank), int(queued), int(float(arrival)), int(now_ms))
-            return False
-        self.local.holder = None
-        self.local.lease = self._new_lease(Lease, self.redis, token, int(reply), sent_at)
         return True
 
     def _new_lease(

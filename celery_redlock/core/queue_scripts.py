@@ -28,9 +28,12 @@ from dataclasses import dataclass
 
 from .lua import Arg, Script
 from .scripts import ACQUIRE
-from .semaphore_scripts import semaphore_keys
+from .semaphore_scripts import LEAVE_WAIT_LIST, semaphore_keys
 
-__all__ = ["FAIR_ACQUIRE", "Place", "queue_keys"]
+__all__ = ["FAIR_ACQUIRE", "LEAVE_LINE", "Place", "queue_keys"]
+
+#: Leave the line: the semaphore's LEAVE_WAIT_LIST (KEYS: the two sets, ARGV: the member).
+LEAVE_LINE = LEAVE_WAIT_LIST
 
 
 @dataclass(frozen=True)
