@@ -1,0 +1,46 @@
+"""Fair requeue under real prefork workers with random SIGKILL/SIGSTOP of pool children.
+
+Each scenario sends calls on a few keys faster than they can run, so most are
+requeued, many times; the faults kill or freeze holders. From the history:
+never more than ``lock_limit`` believing holders per key, nothing lost, and
+every call started within the bound docs/conflicts.md states (see
+:mod:`tests.chaos.fairness`). The 150 s version, with the old behaviour
+beside it, is bench/fairness_soak.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.chaos.conftest import CeleryChaos
+from tests.chaos.fairness import most_believing, run_soak
+
+pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("task", "limit", "calls"), [("chaos.unfair1", 1, 60), ("chaos.unfair3", 3, 120)]
+)
+def test_fair_requeue_soak(celery_chaos: CeleryChaos, task: str, limit: int, calls: int) -> None:
+    """Calls waiting in line start in their turn: no more than ``limit`` at once per key,
+    none lost, and each within 2x the work sent before it plus its faults' recovery."""
+    soak = run_soak(
+        celery_chaos,
+        task,
+        limit,
+        calls=calls,
+        keys=2,
+        spread=12.0,
+        durations=(0.05, 0.35),
+        fault_every=2.0,
+        timeout=60,
+    )
+    assert soak.verdict is not None
+    assert not soak.verdict.violations or limit > 1, soak.verdict.describe()
+    assert not soak.verdict.lost, soak.verdict.describe()
+    assert max(most_believing(soak.executions).values()) <= limit
+    assert len(soak.waits) == calls
+    assert soak.faults, "no fault was injected"
+    over = soak.over_bound()
+    assert not over, f"waits over their bound (wait, bound): {sorted(over.values())[-5:]}"
