@@ -19,7 +19,6 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -136,8 +135,6 @@ class Lock(LockSettings):
         self._watchdog = watchdog
         self.local: LockState = ThreadState() if self.thread_local else SharedState()
 
-    # -- redis-py compatible API ------------------------------------------------
-
     def __enter__(self: _LockT) -> _LockT:
         if self.acquire():
             return self
@@ -181,8 +178,7 @@ class Lock(LockSettings):
             blocking: Wait for the lock (default: the lock's ``blocking``).
             blocking_timeout: Longest wait in seconds (default: the lock's).
             token: Value to store; default 16 random bytes from ``secrets``, hex.
-            place: Wait in line (:mod:`~celery_redlock.core.queue_scripts`):
-                taken only when no older waiter is in line, else join it.
+            place: Wait in line (:mod:`~celery_redlock.core.queue_scripts`).
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
@@ -198,12 +194,15 @@ class Lock(LockSettings):
             blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
         self.local.place = None
-        in_line = partial(attempt_in_line, self, plain=type(self).do_acquire is Lock.do_acquire)
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
         while True:
-            if self.do_acquire(encoded) if place is None else in_line(encoded, place):
+            if place is None:
+                acquired = self.do_acquire(encoded)
+            else:
+                acquired = attempt_in_line(self, encoded, place, type(self).do_acquire is _PLAIN)
+            if acquired:
                 lease = self.local.lease
                 # The value stored may be the token with an attempt number (Redlock).
                 self.local.token = encoded if lease is None else lease.token
@@ -364,8 +363,6 @@ class Lock(LockSettings):
         self._renew(self._ttl_ms, True, "reacquire")
         return True
 
-    # -- additions ----------------------------------------------------------------
-
     @property
     def lease(self) -> Lease | None:
         """This thread's latest lease: held, lost or released; ``None`` before any."""
@@ -446,3 +443,6 @@ class Lock(LockSettings):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"
+
+
+_PLAIN = Lock.do_acquire

@@ -240,7 +240,7 @@ def _register_fair_tasks(app: Celery) -> None:
         **_LOCK_OPTIONS,
         "lock_key": ["run", "resource"],
         "lock_requeue_delay": 0.2,
-        "lock_requeue_max_delay": 5.0,
+        "lock_requeue_max_delay": 20.0,
     }
     for name, (limit, fair) in FAIR_TASKS.items():
 

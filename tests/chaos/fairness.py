@@ -35,7 +35,7 @@ from tests.chaos.conftest import CeleryChaos
 __all__ = ["SLACK", "Soak", "most_believing", "run_soak"]
 
 #: Seconds of polls and deliveries a call may add to the bound.
-SLACK = 3.0
+SLACK = 2.0
 #: What one fault may cost the calls behind it: the lease's TTL, the worker
 #: noticing its lost process (worker_lost_wait), and a redelivery.
 FAULT_COST = LOCK_TTL + 1.0 + 1.0
@@ -60,6 +60,22 @@ class Soak:
             for task_id, wait in self.waits.items()
             if wait > self.bounds[task_id]
         }
+
+    def overtaken(self, margin: float = 1.0) -> int:
+        """Calls that some call sent ``margin`` seconds or more after them started before."""
+        starts = {
+            e.task_id: e.start for e in self.executions if e.finished and e.task_id in self.waits
+        }
+        count = 0
+        for task_id, began in starts.items():
+            resource, sent_at, _ = self.sent[task_id]
+            count += any(
+                self.sent[other][0] == resource
+                and self.sent[other][1] >= sent_at + margin
+                and other_start < began
+                for other, other_start in starts.items()
+            )
+        return count
 
     @property
     def longest(self) -> float:

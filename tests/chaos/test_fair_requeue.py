@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("task", "limit", "calls"), [("chaos.fair1", 1, 60), ("chaos.fair3", 3, 120)]
+    ("task", "limit", "calls"), [("chaos.fair1", 1, 60), ("chaos.fair3", 3, 150)]
 )
 def test_fair_requeue_soak(celery_chaos: CeleryChaos, task: str, limit: int, calls: int) -> None:
     """Calls waiting in line start in their turn: no more than ``limit`` at once per key,
@@ -31,7 +31,7 @@ def test_fair_requeue_soak(celery_chaos: CeleryChaos, task: str, limit: int, cal
         limit,
         calls=calls,
         keys=2,
-        spread=12.0,
+        spread=6.0,
         durations=(0.05, 0.35),
         fault_every=2.0,
         timeout=60,
