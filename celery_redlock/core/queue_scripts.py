@@ -148,4 +148,5 @@ return {pttl, holder, rank, redis.call('ZCARD', line_key),
         redis.call('ZSCORE', line_key, member), now}
 """
 
+# The script itself: the prelude above, ACQUIRE's text as a function, then the line.
 FAIR_ACQUIRE = Script("fair_acquire", _PRELUDE + ACQUIRE.source + _AFTER, resend=_fair_again)
