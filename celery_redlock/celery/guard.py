@@ -357,7 +357,7 @@ class TaskGuard(Guard[Any]):
                 holder=refusal.holder_id,
                 holder_ttl=refusal.ttl,
             )
-        line = line_header(request, refusal, decision)
+        line = line_header(request, refusal, decision) if self._in_line else None
         if delay is None and line is not None and not decision.own:
             seen = seen_in_line(request)
             delay = fair_countdown(self.options, attempt, random.random(), refusal, seen)

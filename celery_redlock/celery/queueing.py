@@ -60,13 +60,15 @@ def line_header(request: Any, refusal: Refusal, decision: Decision) -> list[int]
     place that delivery had: its arrival is no later than when that delivery
     took the lock.
     """
-    if refusal.rank is None or refusal.arrival_us is None or refusal.now_ms is None:
-        return None
-    arrival = refusal.arrival_us
     holder = refusal.holder
+    arrivals = [refusal.arrival_us] if refusal.rank is not None else []
     if decision.own and holder is not None and holder.acquired_ms:
-        arrival = min(arrival, holder.acquired_ms * 1000)
-    return [request.retries or 0, arrival, refusal.rank, refusal.now_ms]
+        # (A semaphore does not put a copy meeting its own permit in line.)
+        arrivals.append(holder.acquired_ms * 1000)
+    known = [arrival for arrival in arrivals if arrival is not None]
+    if not known or refusal.now_ms is None:
+        return None
+    return [request.retries or 0, min(known), refusal.rank or 0, refusal.now_ms]
 
 
 def seen_in_line(request: Any) -> tuple[int, int] | None:
