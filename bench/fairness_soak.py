@@ -7,13 +7,15 @@ its own lock store and broker on free loopback ports and stops them by pid)::
 
 Three prefork workers of the chaos suite's app (tests/celery_apps/chaos.py,
 two pool processes each, lock TTL 1 s, requeue delay 0.2 s doubling to 5 s).
-For ``lock_limit`` 1, then 3: two soaks at once on the same workers, one of
-tasks with ``lock_fair=True`` and one with ``lock_fair=False``, each sending
-``--calls`` calls over ``--spread`` seconds on ``--keys`` keys with random
-durations, while random pool processes running them are SIGKILLed or
+For ``lock_limit`` 1 (``--keys`` keys), then 3 (``--keys3`` keys): a soak of
+tasks with ``lock_fair=True``, then the same soak (same calls, same seed) with
+``lock_fair=False``, on the same workers. Each sends ``--calls`` calls over
+``--spread`` seconds with random durations (0.3 to 1.3 s: each key busy most
+of the time), while random pool processes running them are SIGKILLed or
 SIGSTOPped past their TTL (see tests/chaos/fairness.py). Printed per soak:
-the longest wait, the 99th percentile, calls over the bound of
-docs/conflicts.md, most holders at once, lost calls.
+the longest wait, the 99th percentile, the mean, calls over the bound of
+docs/conflicts.md, calls overtaken by one sent a second or more later, most
+holders at once, lost calls.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,7 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spread", type=float, default=150.0)
     parser.add_argument("--calls", type=int, default=650)
-    parser.add_argument("--keys", type=int, default=5)
+    parser.add_argument("--keys", type=int, default=5, help="keys of the lock_limit=1 soaks")
+    parser.add_argument("--keys3", type=int, default=2, help="keys of the lock_limit=3 soaks")
     args = parser.parse_args()
     binary = os.environ.get("REDLOCK_TEST_REDIS_SERVER") or shutil.which("redis-server")
     assert binary, "redis-server not found"
@@ -65,40 +67,24 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     with chaos_workers(binary, base, [RedisServer(binary, workdir=base / "lock")]) as c:
-        for limit in (1, 3):
-            results: dict[str, Soak] = {}
-
-            def soak(
-                name: str, task: str, seed: int, limit: int = limit, results: dict = results
-            ) -> None:
-                results[name] = run_soak(
+        for limit, keys in ((1, args.keys), (3, args.keys3)):
+            for label, task, seed in (
+                ("fair (new)", f"chaos.fair{limit}", 1),
+                ("backoff only (old)", f"chaos.unfair{limit}", 1),
+            ):
+                soak = run_soak(
                     c,
                     task,
                     limit,
                     calls=args.calls,
-                    keys=args.keys,
+                    keys=keys,
                     spread=args.spread,
-                    durations=(0.05, 0.6),
+                    durations=(0.3, 1.3),
                     fault_every=3.0,
                     timeout=args.spread * 4,
                     seed=seed,
                 )
-
-            threads = [
-                threading.Thread(
-                    target=soak, args=(f"lock_limit={limit}, fair (new)", f"chaos.fair{limit}", 1)
-                ),
-                threading.Thread(
-                    target=soak,
-                    args=(f"lock_limit={limit}, backoff only (old)", f"chaos.unfair{limit}", 2),
-                ),
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for name in sorted(results, reverse=True):
-                print(_describe(name, results[name]), flush=True)
+                print(_describe(f"lock_limit={limit}, {keys} keys, {label}", soak), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ execution. The bound docs/conflicts.md states, checked per call:
 ``W``: the work (seconds held) of executions of calls sent *before* it that
 ran while it waited; ``F``: faults injected while it waited; ``SLACK``: the
 polls and deliveries of one requeue. A call overtaken by calls sent after it
-waits for work that ``W`` does not count, which is what breaks the bound.
+waits for work that ``W`` does not count. :meth:`Soak.overtaken` counts such
+calls directly: the sharper sign of unfairness in a short run.
 """
 
 from __future__ import annotations
