@@ -21,7 +21,11 @@ from celery_redlock.core.queue_scripts import Place
 
 from .messages import place_of
 
-__all__ = ["in_line", "line_header", "place_for", "waited"]
+__all__ = ["GRACE", "in_line", "line_header", "place_for", "waited"]
+
+#: Seconds a requeued call may take, beyond its countdown, to be run again by a
+#: busy worker while it still counts as present in line.
+GRACE = 1.0
 
 
 def in_line(options: LockOptions) -> bool:
@@ -36,20 +40,20 @@ def in_line(options: LockOptions) -> bool:
 def place_for(request: Any, options: LockOptions) -> Place | None:
     """The place of the running request's call, or ``None`` for one that cannot be requeued.
 
-    An entry lasts the call's next countdown (a short poll when it is next,
-    ``requeue_max_delay`` further back) plus a grace of the lock's TTL (at
-    least a second) for a busy worker to run it again; a call gone for longer
-    than that (revoked, expired, lost) gives up its place.
+    After each attempt the call counts as present for the poll of a call that
+    is next plus :data:`GRACE` (a busy worker's delay): a free key waits for
+    an older waiter only while that one is present. Its entry lasts
+    ``requeue_max_delay`` plus the lock's TTL (at least :data:`GRACE`); a call
+    gone for longer (revoked, expired, lost) gives up its place.
     """
     if request.is_eager or request.id is None:
         return None
-    grace = max(options.ttl, 1.0)
     seen = place_of(request)
     return Place(
         str(request.id),
         seen[0] if seen is not None else None,
-        int((min(NEXT_POLL, options.requeue_delay / 4) + grace) * 1000),
-        int((options.requeue_max_delay + grace) * 1000),
+        int((min(NEXT_POLL, options.requeue_delay / 4) + GRACE) * 1000),
+        int((options.requeue_max_delay + max(options.ttl, GRACE)) * 1000),
     )
 
 

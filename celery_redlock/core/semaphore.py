@@ -29,7 +29,7 @@ from .holder import Holder, Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, LostCallback
 from .lock_options import DEFAULT_FENCE_RETENTION, LockSettings, Number, positive_seconds
 from .permit import WAIT_SLACK, PermitLease, check_limit
-from .queue_scripts import Place
+from .queue_scripts import Place, queue_keys
 from .semaphore_scripts import (
     ACQUIRE_PERMIT,
     COUNT_PERMITS,
@@ -267,9 +267,11 @@ class Semaphore(LockSettings):
             wait_ms,
             "0",
         )
+        keys: tuple[str, ...] = self._acquire_keys
         if place is not None:
             args += place.args()[:3]
-        reply = ACQUIRE_PERMIT(self.redis, self._acquire_keys, args)
+            keys = (*keys, queue_keys(self.name)[2])
+        reply = ACQUIRE_PERMIT(self.redis, keys, args)
         if reply[0] != 1:
             self.local.refusal = self._refusal(reply, place is not None)
             return False

@@ -94,10 +94,11 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          joins (or stays on) the wait list, its entry lapsing after this long
 # ARGV[7]  "0" on the first send; "1" when the same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
-# ARGV[8..10] (optional) a place in line (queue_scripts.Place): who waits
-#          (default ARGV[1]), its first arrival in microseconds ("" or absent:
-#          now; an older one moves the entry forward), and how long its entry
-#          lasts while it is among the next `limit` in line (ARGV[6] further back)
+# KEYS[5] and ARGV[8..10] (optional) a place in line (queue_scripts.Place):
+#          waiters by presence; who waits (default ARGV[1]), its first arrival
+#          in microseconds ("" or absent: now; an older one moves the entry
+#          forward), and how long it counts as present (its entry lasts ARGV[6]).
+#          Only the present waiters ahead of it then hold a free permit back.
 # Returns  {1, fence, slot, member} when a permit was taken (or, with ARGV[7]
 #          "1", already held with ARGV[1]); otherwise {0, PTTL in ms of the
 #          permit reported (-1: none), that permit's token (nil: none), permits
@@ -129,6 +130,9 @@ if queued > 0 then
   for _, waiter in ipairs(lapsed) do
     redis.call('ZREM', KEYS[3], waiter)
     redis.call('ZREM', KEYS[4], waiter)
+    if KEYS[5] then
+      redis.call('ZREM', KEYS[5], waiter)
+    end
   end
   queued = redis.call('ZCARD', KEYS[3])
 end
@@ -168,11 +172,21 @@ if own == nil and held < limit then
     admitted = true
   else
     local rank = redis.call('ZRANK', KEYS[3], entry)
-    if rank then
-      admitted = rank < limit - held
-    else
-      admitted = queued < limit - held
+    local ahead = rank or queued
+    if KEYS[5] and ahead > 0 then
+      -- In line as a call: only the waiters ahead that are present count.
+      local present = 0
+      for _, waiter in ipairs(redis.call('ZRANGE', KEYS[3], 0, ahead - 1)) do
+        if tonumber(redis.call('ZSCORE', KEYS[5], waiter) or '0') > now then
+          present = present + 1
+          if present >= limit - held then
+            break
+          end
+        end
+      end
+      ahead = present
     end
+    admitted = ahead < limit - held
   end
 end
 if admitted then
@@ -196,6 +210,9 @@ if admitted then
   if queued > 0 then
     redis.call('ZREM', KEYS[3], entry)
     redis.call('ZREM', KEYS[4], entry)
+    if KEYS[5] then
+      redis.call('ZREM', KEYS[5], entry)
+    end
   end
   return {1, fence, slot, member}
 end
@@ -209,12 +226,13 @@ if wait > 0 and own == nil then
     redis.call('ZADD', KEYS[3], 'NX', arrival, entry)
   end
   rank = redis.call('ZRANK', KEYS[3], entry)
-  local life = wait
-  if ARGV[10] and rank < limit then
-    life = tonumber(ARGV[10])
+  redis.call('ZADD', KEYS[4], now + wait, entry)
+  local last = 4
+  if KEYS[5] then
+    redis.call('ZADD', KEYS[5], now + tonumber(ARGV[10]), entry)
+    last = 5
   end
-  redis.call('ZADD', KEYS[4], now + life, entry)
-  for k = 3, 4 do
+  for k = 3, last do
     if redis.call('PTTL', KEYS[k]) < wait then
       redis.call('PEXPIRE', KEYS[k], wait)
     end

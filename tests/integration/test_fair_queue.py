@@ -65,17 +65,38 @@ def test_an_older_arrival_moves_a_waiter_forward(r: redis.Redis) -> None:
     assert a.refusal.rank == 1
 
 
-def test_a_waiter_that_stops_coming_is_pruned(r: redis.Redis) -> None:
-    """An entry not renewed within its lifetime lapses, and the key goes to the next caller."""
+def test_a_waiter_that_is_not_back_in_time_does_not_hold_the_key(r: redis.Redis) -> None:
+    """A waiter counts as present for its near ms after an attempt: past that, a free key
+    goes to the next present caller, and the absent one keeps its place for its return."""
     holder = lock(r)
     assert holder.acquire(token="h", place=place("h"))
-    gone = lock(r)
-    assert not gone.acquire(token="g", place=place("gone", near=200, far=200))
+    asleep = lock(r)
+    assert not asleep.acquire(token="s", place=place("asleep", near=200))
+    arrival = asleep.refusal.arrival_us
     holder.release()
     late = lock(r)
     assert not late.acquire(token="l", place=place("late"))
+    assert late.refusal.rank == 1
     time.sleep(0.3)
     assert late.acquire(token="l", place=place("late"))
+    late.release()
+    # Back, it is still first in line: a newer caller that is present waits behind it.
+    blocker = lock(r)
+    assert blocker.acquire(token="b", place=place("b"))
+    assert not asleep.acquire(token="s2", place=place("asleep", arrival))
+    assert asleep.refusal.rank == 0
+
+
+def test_a_waiter_gone_for_good_is_pruned(r: redis.Redis) -> None:
+    """An entry not renewed within its far ms leaves the line."""
+    holder = lock(r)
+    assert holder.acquire(token="h", place=place("h"))
+    gone = lock(r)
+    assert not gone.acquire(token="g", place=place("gone", near=100, far=200))
+    time.sleep(0.3)
+    other = lock(r)
+    assert not other.acquire(token="o", place=place("other"))
+    assert other.refusal.rank == 0 and other.refusal.waiting == 1
 
 
 def test_plain_acquire_ignores_the_line(r: redis.Redis) -> None:
