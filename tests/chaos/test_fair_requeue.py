@@ -45,7 +45,7 @@ def test_fair_requeue_soak(celery_chaos: CeleryChaos, task: str, limit: int, cal
     assert soak.faults, "no fault was injected"
     # Order: a call sent a second or more after another does not start before it
     # (a fault may let one through: a waiter frozen mid-attempt loses its turn).
-    # With plain backoff (lock_fair=False) this run overtakes 15-18 calls.
+    # With plain backoff (lock_fair=False) this run overtakes 13-20 calls.
     overtaken = soak.overtaken(margin=1.0)
     assert overtaken <= len(soak.faults) // 2, f"{overtaken} calls overtaken by later ones"
     over = soak.over_bound()
