@@ -19,7 +19,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .calls.context import back_off, current_lock, current_rate
+    from .calls.context import back_off, back_off_async, current_lock, current_rate
     from .celery.install import install
     from .celery.result import SKIPPED
     from .celery.task import SingletonTask
@@ -69,6 +69,7 @@ __all__ = [
     "Watchdog",
     "__version__",
     "back_off",
+    "back_off_async",
     "current_lock",
     "current_rate",
     "default_watchdog",
@@ -85,6 +86,7 @@ _HOMES = {
     "SingletonTask": "celery.task",
     "install": "celery.install",
     "back_off": "calls.context",
+    "back_off_async": "calls.context",
     "current_lock": "calls.context",
     "current_rate": "calls.context",
     "singleton": "functions.decorator",

@@ -19,11 +19,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.guarded import run_guarded
-from celery_redlock.calls.options import check_choice, validate
+from celery_redlock.calls.options import LockOptions, check_choice, validate
 from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
+from celery_redlock.core.rate import Rate, RateLimiter
 
 from .calls import CallOptions, FunctionGuard
 from .clients import ClientResolver, ClientSource
@@ -46,7 +48,7 @@ def _non_negative(setting: str, value: Any, *, allow_none: bool) -> float | None
     return float(value)
 
 
-# long because: its docstring documents each of its twelve options; the logic is short
+# long because: its docstring documents each of its fourteen options; the logic is short
 def singleton(
     func: F | None = None,
     *,
@@ -62,6 +64,8 @@ def singleton(
     key_prefix: str = "redlock",
     name: str | None = None,
     limit: int = 1,
+    rate: str | Rate | None = None,
+    rate_key: KeySpec = None,
 ) -> Any:
     """Run the decorated function under a Redis lock keyed by its arguments.
 
@@ -94,6 +98,14 @@ def singleton(
             1 each call takes a permit of a :class:`celery_redlock.Semaphore`;
             the call beyond the limit skips, raises, or waits its turn (first
             come, first served) as ``on_conflict`` says.
+        rate: At most this many starts per window and rate key: ``"100/m"``,
+            ``"20/s"``, ``"5/h"`` or ``"10/5s"`` (an exact sliding window; see
+            docs/limits.md). Over it, ``on_conflict`` applies: ``"skip"``
+            returns ``skipped``, ``"raise"`` raises :class:`RateLimited`
+            (``retry_after`` says when a slot frees), ``"wait"`` sleeps exactly
+            until a slot frees and tries again, within ``wait_timeout``.
+        rate_key: Which arguments make the rate key (as ``key``); ``None``:
+            the same as the lock key.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -113,6 +125,8 @@ def singleton(
             key_prefix=key_prefix,
             name=name,
             limit=limit,
+            rate=rate,
+            rate_key=rate_key,
         )
     if not callable(func):
         raise ConfigurationError("func", func, "singleton decorates a function")
@@ -125,32 +139,44 @@ def singleton(
         on_redis_error=check_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
         skipped=skipped,
         limit=validate("limit", limit),
+        rate=validate("rate", rate),
     )
     if options.name and ("{" in options.name or "}" in options.name):
         raise ConfigurationError("name", options.name, "must not contain braces")
-    keys = KeyBuilder(
-        options.name,
-        func,
-        validate("key", key),
-        validate("key_prefix", key_prefix),
+    spec = LockOptions(
+        key=validate("key", key),
+        key_prefix=validate("key_prefix", key_prefix),
+        rate=options.rate,
+        rate_key=validate("rate_key", rate_key),
     )
+    keys = KeyBuilder(options.name, func, spec.key, spec.key_prefix, option="key")
+    limits = rate_keys(options.name, func, spec, option="rate_key", key_option="key")
     is_async = inspect.iscoroutinefunction(func)
     clients = ClientResolver(client, url)
     if is_async:
         from .coroutine import wrap_async
 
-        wrapper = wrap_async(func, options, keys, clients)
+        wrapper = wrap_async(func, options, keys, clients, limits)
     else:
-        wrapper = _wrap_sync(func, options, keys, clients)
+        wrapper = _wrap_sync(func, options, keys, clients, limits)
     wrapper.lock_key_for = lambda *args, **kwargs: keys.key_for(args, kwargs)  # type: ignore[attr-defined]
     return wrapper
 
 
-def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientResolver) -> F:
+def _wrap_sync(
+    func: F,
+    options: CallOptions,
+    keys: KeyBuilder,
+    clients: ClientResolver,
+    limits: KeyBuilder | None,
+) -> F:
+    limiter = RateLimiter if limits is not None else None
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = options.call(keys.key_for(args, kwargs))
-        guard = FunctionGuard(options, admission_lock, clients.get())
+        rate_key = limits.key_for(args, kwargs) if limits is not None else None
+        call = options.call(keys.key_for(args, kwargs), rate_key)
+        guard = FunctionGuard(options, admission_lock, clients.get(), limiter)
         return run_guarded(guard, call, lambda: func(*args, **kwargs))
 
     return cast(F, wrapper)
