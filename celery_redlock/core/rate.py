@@ -9,9 +9,9 @@ so no burst of ``2 * limit`` at a boundary: every interval of ``window`` length
 holds at most ``limit`` starts. A second key in the same hash slot holds a
 "blocked until" time, set by :meth:`RateLimiter.back_off` (an upstream asked to
 slow down); while it lies ahead, every call of the key is refused until then. A
-third one records the rate the callers use (``"<limit> <window ms>"``), written
-by each admission and living as long as the log, so an operator's view can tell
-``used/limit`` without knowing the callers' options.
+third one records the rate the callers use (``"<limit> <window ms>"``), renewed
+by admissions so that it outlives the log (by at most a window), so an
+operator's view can tell ``used/limit`` without knowing the callers' options.
 
 Times come from the Redis server (``TIME``), so workers on hosts with different
 clocks share one.
@@ -133,7 +133,9 @@ def _rate_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #
 # KEYS[1]  the window's log: sorted set, member -> start time (server ms)
 # KEYS[2]  the back-off key: "blocked until" in server ms (same hash slot)
-# KEYS[3]  the spec key: "<limit> <window ms>", for the operator's view (same slot)
+# KEYS[3]  the spec key: "<limit> <window ms>", for the operator's view (same slot);
+#          rewritten (for two windows) only when it has less than a window left,
+#          so it outlives the log, and a changed rate shows within a window
 # ARGV[1]  limit: starts allowed per window
 # ARGV[2]  window in milliseconds
 # ARGV[3]  member: unique per call
@@ -163,7 +165,9 @@ end
 if used < limit then
   redis.call('ZADD', KEYS[1], now, ARGV[3])
   redis.call('PEXPIRE', KEYS[1], window)
-  redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[2], 'PX', window)
+  if redis.call('PTTL', KEYS[3]) < window then
+    redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[2], 'PX', 2 * window)
+  end
   return {1, now, used + 1}
 end
 local oldest = redis.call('ZRANGE', KEYS[1], used - limit, used - limit, 'WITHSCORES')

@@ -2,8 +2,8 @@
 
 A rate key (``<prefix>:rate:v1:{<name>:<digest>}``, see
 :mod:`celery_redlock.core.rate`) has up to two companions in its hash slot:
-the back-off key (``:backoff``) and the spec key (``:spec``) that every
-admission rewrites with the rate its caller uses. One script reads all three
+the back-off key (``:backoff``) and the spec key (``:spec``) recording the
+rate its callers use, kept by admissions a little longer than the log. One script reads all three
 at once: the starts in the window against the recorded limit, the time until a
 slot frees and the back-off left, so ``used/limit`` is shown however the
 callers were configured (a Celery task, the decorator, an RQ job). Nothing here
@@ -34,8 +34,8 @@ _RATE_KEY = re.compile(
 #
 # KEYS[1]  the window's log;  KEYS[2]  the back-off key;  KEYS[3]  the spec key
 # Returns  {used, limit, window ms, ms until a slot frees, ms of back-off left,
-#          server time ms}; limit and window are 0 when no spec is recorded (the
-#          log has expired: nothing started within a window). Read-only: safe to resend.
+#          server time ms}; limit and window are 0 when no spec is recorded (nothing
+#          started for a window or two). Read-only: safe to resend.
 RATE_READ = Script(
     "rate_read",
     """
@@ -87,8 +87,8 @@ class RateInfo:
         key: The rate key.
         task: The task (or function) name in the key.
         used: Starts within the window now.
-        limit: Starts the window allows, as the callers last recorded it
-            (``None``: nothing started within a window, so none is recorded).
+        limit: Starts the window allows, as the callers recorded it (``None``:
+            nothing started for a window or two, so none is recorded).
         window: The window in seconds (``None`` as for ``limit``).
         wait: Seconds until a slot frees (0: one is free now).
         backed_off: Seconds of a back-off left (0: none).

@@ -8,6 +8,7 @@ over it, the call skips, raises :class:`~celery_redlock.RateLimited`, or (under
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,8 @@ class FunctionGuard(Guard[Any]):
         self.admission_lock = admission_lock
         self.client = client
         self.limiter = limiter
+        # One guard per call: a "wait" spent on the rate counts against the lock's wait.
+        self.started = time.monotonic()
 
     def rate_limiter(self, call: Call) -> Any:
         """The call's rate limiter, on the call's client."""
@@ -108,8 +111,13 @@ class FunctionGuard(Guard[Any]):
 
         Under ``limit`` above 1 it is a semaphore permit; a ``"wait"`` then
         waits its turn on the semaphore's wait list, first come, first served.
+        Under a rate, the wait for the lock gets what the rate's wait left of
+        ``wait_timeout``.
         """
         options = self.options
+        timeout = options.wait_timeout
+        if timeout is not None and options.rate is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - self.started))
         return self.admission_lock(
             self.client,
             call.key,
@@ -117,7 +125,7 @@ class FunctionGuard(Guard[Any]):
             timeout=options.ttl,
             sleep=options.wait_sleep,
             blocking=options.on_conflict == "wait",
-            blocking_timeout=options.wait_timeout,
+            blocking_timeout=timeout,
             thread_local=False,
             auto_renew=True,
             label=call.label,
