@@ -137,7 +137,7 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
                 task_id=result.id,
                 holder=None,
             )
-        return AsyncResult(by, backend=self.backend, task_name=self.task_name, app=self.app)
+        return AsyncResult(by, backend=self.backend, app=self.app)
 
 
 def already_done(task: Any, task_id: str) -> bool:
