@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -11,9 +12,10 @@ from redis.exceptions import RedisError
 
 from celery_redlock.calls.decisions import decide, log_store_failure, not_acquired
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard
+from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.holder import Holder
 
-__all__ = ["CallOptions", "FunctionGuard"]
+__all__ = ["CallOptions", "FunctionGuard", "KeptLock"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +32,33 @@ class CallOptions:
     on_redis_error: str
     skipped: Any
     limit: int = 1
+    #: ``mode="until_expired"``: seconds an accepted call refuses its duplicates.
+    period: float | None = None
 
     def call(self, key: str) -> Call:
         """Describe one call with lock key ``key``: a fresh id names it in the lock and the logs."""
         call_id = uuid.uuid4().hex
         return Call(key, Holder.new(call_id).encode(), f"{self.name}[{call_id}]")
+
+
+class KeptLock:
+    """A call's lock that its end does not release: ``until_expired`` keeps it for its period.
+
+    Everything but :meth:`release` is the wrapped lock's (sync or asyncio);
+    the lock was taken for ``period`` seconds without renewal, so it ends by
+    expiring, whether or not the call has finished.
+    """
+
+    def __init__(self, lock: Any, *, asynchronous: bool) -> None:
+        self._lock = lock
+        self._asynchronous = asynchronous
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lock, name)
+
+    def release(self) -> Any:
+        """Leave the lock to expire; an ``async`` lock gets an awaitable that does the same."""
+        return asyncio.sleep(0) if self._asynchronous else None
 
 
 class FunctionGuard(Guard[Any]):
@@ -62,18 +86,21 @@ class FunctionGuard(Guard[Any]):
         waits its turn on the semaphore's wait list, first come, first served.
         """
         options = self.options
-        return self.admission_lock(
+        lock = self.admission_lock(
             self.client,
             call.key,
             limit=options.limit,
-            timeout=options.ttl,
+            timeout=options.ttl if options.period is None else options.period,
             sleep=options.wait_sleep,
             blocking=options.on_conflict == "wait",
             blocking_timeout=options.wait_timeout,
             thread_local=False,
-            auto_renew=True,
+            auto_renew=options.period is None,
             label=call.label,
         )
+        if options.period is None:
+            return lock
+        return KeptLock(lock, asynchronous=self.admission_lock is not admission_lock)
 
     def refused(self, call: Call, lock: Any) -> Any:
         """Return ``skipped`` under ``"skip"``; otherwise raise.
