@@ -14,7 +14,6 @@ after its first call). See docs/modes.md.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -28,26 +27,24 @@ from celery_redlock.calls.options import Mode
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import ConfigurationError, LockError
 from celery_redlock.core.holder import Refusal
-from celery_redlock.core.lock import Lease, Lock
-from celery_redlock.core.newest_scripts import CLAIM, STAMP, UNSTAMP
+from celery_redlock.core.lock import Lock
+from celery_redlock.core.newest import (
+    NewestLock,
+    Stamp,
+    generation_key,
+    parse_stamp,
+    stamp,
+    unstamp,
+)
 
 from .guard import TaskGuard
 from .messages import GENERATION_HEADER, header_of
 from .publish import Publish, Republish, publish_delay
 from .result import SUPERSEDED
 
-__all__ = ["NewestGuard", "NewestLock", "generation_key", "publish_newest"]
+__all__ = ["NewestGuard", "publish_newest"]
 
 logger = logging.getLogger(__name__)
-
-
-def generation_key(key: str) -> str:
-    """The hash holding the newest generation of lock key ``key`` (same hash slot)."""
-    return f"{key}:newest"
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _ms(seconds: float | None) -> int:
@@ -82,35 +79,36 @@ def publish_newest(
     task_id = task_id or uuid()
     if task.app.conf.task_always_eager:
         return publish(args, kwargs, task_id, options)
-    hkey = generation_key(guard.keys.key_for(args or (), kwargs or {}))
-    kind, _ = Republish.of(task, task_id, hkey)
+    key = guard.keys.key_for(args or (), kwargs or {})
+    kind, _ = Republish.of(task, task_id, generation_key(key))
     if kind is not Republish.NEW:
         return publish(args, kwargs, task_id, options)
     debounce = opts.mode is Mode.DEBOUNCE
     if debounce:
         _no_delay_given(task.name, options)
     label = f"task {task.name}[{task_id}]"
-    extra_ms = _ms(publish_delay(options) + opts.enqueue_ttl)
     try:
-        gen, epoch, delay_ms, replaced = STAMP(
+        drawn = stamp(
             guard.store.client,
-            (hkey,),
-            (task_id, _ms(opts.debounce), _ms(opts.debounce_max_wait), extra_ms, _epoch()),
+            key,
+            task_id,
+            debounce=opts.debounce,
+            max_wait=opts.debounce_max_wait,
+            keep_for=publish_delay(options) + opts.enqueue_ttl,
         )
     except RedisError as exc:
-        _store_down(guard, label, hkey, exc)
+        _store_down(guard, label, generation_key(key), exc)
         return publish(args, kwargs, task_id, options)
-    stamp = f"{_text(epoch)}:{gen}"
-    headers = {**(options.get("headers") or {}), GENERATION_HEADER: stamp}
+    headers = {**(options.get("headers") or {}), GENERATION_HEADER: drawn.encode()}
     sent = {**options, "headers": headers}
     if debounce:
-        sent["countdown"] = delay_ms / 1000
-    if replaced and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s: generation %s of %s replaces %s", label, gen, hkey, _text(replaced))
+        sent["countdown"] = drawn.delay
+    if drawn.replaced:
+        logger.debug("%s: %s of %s replaces %s", label, drawn.encode(), key, drawn.replaced)
     try:
         return publish(args, kwargs, task_id, sent)
     except BaseException:
-        _unstamp(guard, hkey, (gen, task_id, _text(replaced)), label)
+        _unstamp(guard, key, task_id, drawn, label)
         raise
 
 
@@ -137,90 +135,18 @@ def _store_down(guard: TaskGuard, label: str, hkey: str, exc: RedisError) -> Non
     )
 
 
-def _epoch() -> str:
-    return secrets.token_hex(8)
-
-
-def _unstamp(guard: TaskGuard, hkey: str, stamp: tuple[int, str, str], label: str) -> None:
+def _unstamp(guard: TaskGuard, key: str, task_id: str, drawn: Stamp, label: str) -> None:
     """Give back the generation of a call the broker refused, so the one it replaced still runs."""
-    gen, task_id, replaced = stamp
     try:
-        UNSTAMP(guard.store.client, (hkey,), (gen, task_id, replaced))
+        unstamp(guard.store.client, key, task_id, drawn)
     except RedisError as exc:
         logger.warning(
             "%s: publish failed and its generation of %s could not be given back (%s); "
             "the copy it replaced retires as superseded",
             label,
-            hkey,
+            key,
             describe_error(exc),
         )
-
-
-def parse_stamp(value: Any) -> tuple[str, str] | None:
-    """``(epoch, generation)`` from a message's generation header, or ``None``."""
-    if not isinstance(value, str) or ":" not in value:
-        return None
-    epoch, _, gen = value.rpartition(":")
-    return (epoch, gen) if gen.isdigit() else None
-
-
-class NewestLock(Lock):
-    """The execution lock of a copy that runs only if it still carries the newest generation.
-
-    After a refused :meth:`acquire`, :attr:`superseded_by` names the copy that
-    replaced this one, or :attr:`recovered` says that the generation was lost
-    and this copy now stands as the newest; otherwise a copy runs
-    (:attr:`refusal`).
-
-    Args:
-        redis: The lock store's client.
-        name: The lock key.
-        stamp: ``(epoch, generation)`` the message carries, or ``None``.
-        task_id: The message's task id.
-        keep_ms: How long the generation hash lasts after this call.
-        **kwargs: :class:`~celery_redlock.core.lock.Lock`'s options.
-    """
-
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        *,
-        stamp: tuple[str, str] | None,
-        task_id: str,
-        keep_ms: int,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(redis, name, **kwargs)
-        self.stamp = stamp
-        self.task_id = task_id
-        self.keep_ms = keep_ms
-        #: The task id of the copy that replaced this one, after a refusal.
-        self.superseded_by: str | None = None
-        #: The generation hash was gone; this copy registered itself as the newest.
-        self.recovered = False
-
-    def do_acquire(self, token: bytes) -> bool:
-        """Make one ``CLAIM``; on success store the new lease for this thread."""
-        sent_at = self._clock()
-        epoch, gen = self.stamp or ("", "")
-        reply = CLAIM(
-            self.redis,
-            (self.name, self.fence_key, generation_key(self.name)),
-            (token, self._ttl_ms, self._fence_retention_ms, gen, epoch, self.task_id, self.keep_ms),
-        )
-        status = int(reply[0])
-        self.local.holder = None
-        if status == 1:
-            self.local.lease = self._new_lease(Lease, self.redis, token, int(reply[1]), sent_at)
-            return True
-        if status == 0:
-            self.local.holder = (_text(reply[2]), reply[1] / 1000 if reply[1] >= 0 else None)
-        elif status == 2:
-            self.superseded_by = _text(reply[1])
-        else:
-            self.recovered = True
-        return False
 
 
 class NewestGuard(TaskGuard):
