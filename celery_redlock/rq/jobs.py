@@ -45,6 +45,7 @@ from celery_redlock.calls.decisions import (
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import (
     LockOptions,
+    Mode,
     OnConflict,
     OnRedisError,
     check_choice,
@@ -55,6 +56,8 @@ from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 from celery_redlock.core.lua import Script
+
+from .windows import enqueue_newest, enqueue_period, newest_lock, retired, window_options
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
 
@@ -207,6 +210,7 @@ def singleton_job(
         return runner.run(args, kwargs)
 
     wrapper.lock_key_for = lambda *a, **kw: runner.keys.key_for(a, kw)  # type: ignore[attr-defined]
+    wrapper.__redlock_job__ = True  # type: ignore[attr-defined]  # retires superseded jobs
     return wrapper
 
 
@@ -254,16 +258,12 @@ class _JobRunner(Guard[Any]):
         The client is ``client=`` when given, else the worker's own connection.
         """
         client = self.client if self.client is not None else _job_of(call).connection
-        return admission_lock(
-            client,
-            call.key,
-            limit=self.options.limit,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            label=call.label,
-        )
+        options: dict[str, Any] = {"timeout": self.options.ttl, "blocking": False}
+        options.update(thread_local=False, auto_renew=True, label=call.label)
+        newest = newest_lock(_job_of(call, None), client, call.key, **options)
+        if newest is not None:  # enqueued by enqueue_once in a newest-call window
+            return newest
+        return admission_lock(client, call.key, limit=self.options.limit, **options)
 
     def acquired(self, call: Call, lease: Any) -> None:
         """Log the acquisition (DEBUG)."""
@@ -285,6 +285,9 @@ class _JobRunner(Guard[Any]):
     def refused(self, call: Call, lock: Any) -> Any:
         """Skip (recording why in ``job.meta``), requeue with an RQ ``Retry``, or raise."""
         job, refusal = _job_of(call, None), lock.refusal
+        settled, outcome = retired(job, lock, call.key, self.skipped)
+        if settled:  # superseded by a newer job, or waiting for one
+            return outcome
         decision = decide(
             refusal,
             call.call_id,
@@ -358,6 +361,11 @@ def enqueue_once(
     *,
     marker_ttl: float = 86400.0,
     grace: float = 10.0,
+    mode: str = "until_executed",
+    period: float | None = None,
+    debounce: float | None = None,
+    debounce_max_wait: float | None = None,
+    keep: str = "first",
     **enqueue_options: Any,
 ) -> Job:
     """Enqueue ``func(*args, **kwargs)`` unless an identical call is queued or running.
@@ -378,6 +386,14 @@ def enqueue_once(
             that no longer deduplicates.
         grace: Seconds a claimed job id counts as being enqueued before its job
             hash exists (covers the caller between claim and enqueue).
+        mode: ``"until_executed"`` (the above), ``"until_expired"`` (``period``),
+            ``"debounce"`` (``debounce``, ``debounce_max_wait``) or
+            ``"until_and_while_executing"`` with ``keep="latest"``: see
+            :mod:`celery_redlock.rq.windows` and docs/modes.md.
+        period: Seconds an accepted call refuses identical ones (``until_expired``).
+        debounce: Quiet seconds before a debounced burst runs its newest call.
+        debounce_max_wait: Longest a debounced burst waits from its first call.
+        keep: ``"latest"``: a newer call replaces the waiting job.
         **enqueue_options: Passed to ``Queue.enqueue_call`` (``job_timeout`` as
             ``timeout``, ``result_ttl``, ``meta``...); not ``job_id``.
 
@@ -385,16 +401,23 @@ def enqueue_once(
         The new job, or the live identical one.
 
     Raises:
-        ConfigurationError: If ``enqueue_options`` sets ``job_id``.
+        ConfigurationError: If ``enqueue_options`` sets ``job_id``, or a window
+            option is bad (naming it).
     """
     if "job_id" in enqueue_options:
         raise ConfigurationError("job_id", enqueue_options["job_id"], "enqueue_once picks the id")
+    window = window_options(mode, period, debounce, debounce_max_wait, keep)
     kwargs = dict(kwargs or {})
     key_for = getattr(func, "lock_key_for", None)
     if key_for is None:
         name = f"{func.__module__}.{func.__qualname__}"
         key_for = functools.partial(_default_key, KeyBuilder(name, func, None, "redlock"))
-    marker = f"{key_for(*args, **kwargs)}:enqueued"
+    key = key_for(*args, **kwargs)
+    if window.period is not None:
+        return enqueue_period(queue, func, (args, kwargs), key, window.period, enqueue_options)
+    if window.mode is not Mode.UNTIL_EXECUTED:
+        return enqueue_newest(queue, func, (args, kwargs), key, window, enqueue_options)
+    marker = f"{key}:enqueued"
     prefix = queue.job_class.key_for("")
     deadline = time.monotonic() + grace + 1.0
     while True:
