@@ -70,3 +70,24 @@ def test_debounce_store_restarted_empty(
     assert xs[-1] == newest and len(xs) <= 2, xs
     if not calls_after:
         assert xs == [newest]
+
+
+@pytest.mark.timeout(30)
+def test_one_lua_call_per_delay(storm_app: Celery, redis_server: RedisServer) -> None:
+    """Each delay() of a newest-call or period window costs the lock store one EVALSHA, no more.
+
+    The windows that keep the first call cost what they did: one RESERVE each.
+    """
+    names = ("windows.debounce", "windows.latest", "windows.expired", "modes.until_executed.raise")
+    tasks = [storm_app.tasks[name] for name in names]
+    for task in tasks:  # warm up: connection handshake, script cache
+        task.delay("warm", 0) if task.name.startswith("windows.") else task.delay("warm")
+    for task in tasks:
+        redis_server.reset_stats()
+        for x in range(5):
+            if task.name.startswith("windows."):
+                task.delay("k", x)
+            else:
+                task.delay(x)
+        stats = redis_server.commandstats()  # (commands a script runs count too)
+        assert (stats.get("evalsha"), stats.get("eval")) == (5, None), (task.name, stats)
