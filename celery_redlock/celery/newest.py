@@ -17,6 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 from celery.utils import uuid
 from redis.exceptions import RedisError
@@ -188,7 +189,7 @@ class NewestGuard(TaskGuard):
     def _superseded(self, call: Call, by: str) -> NoReturn:
         task, request = self.task, self.task.request
         logger.info("%s: superseded by task %s; not running", call.label, by)
-        if not task.ignore_result:
+        if not task.ignore_result and not isinstance(task.backend, DisabledBackend):
             try:
                 task.update_state(state=SUPERSEDED, meta={"by": by, "key": call.key})
             except Exception:  # recording is a courtesy; the copy still retires
