@@ -86,9 +86,11 @@ def test_debounce_max_wait_runs_every_period_with_the_newest_arguments(
     assert xs == sorted(set(xs)) and xs[-1] == 24 and len(xs) >= 3, xs
     during = [run for run in started if run["time"] < calls[-1][1]]
     assert len(during) >= 2, started
+    # Lower bounds, with room for the pool picking a due run up late: 1.5 s
+    # between claims during the calls, the 1 s quiet time after the last one.
     for before, after in zip(during, during[1:]):
-        assert after["time"] - before["time"] >= 1.4, started
-    assert started[-1]["time"] - started[-2]["time"] >= 0.9, started
+        assert after["time"] - before["time"] >= 1.25, started
+    assert started[-1]["time"] - started[-2]["time"] >= 0.75, started
     for run in started:
         returned = [x for x, (_, at) in enumerate(calls) if at < run["time"] - 0.5]
         assert not returned or run["x"] >= max(returned), (run, returned)
