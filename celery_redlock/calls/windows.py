@@ -43,7 +43,9 @@ def check_window(options: LockOptions, source: Callable[[str], str]) -> None:
     mode = options.mode
     if options.debounce is None and mode is Mode.DEBOUNCE:
         raise ConfigurationError(
-            source("debounce"), None, "lock_mode='debounce' needs the quiet time in seconds"
+            source("debounce"),
+            None,
+            f"lock_mode='debounce' (from {source('mode')}) needs the quiet time in seconds",
         )
     if options.debounce is not None and mode is not Mode.DEBOUNCE:
         raise ConfigurationError(
@@ -70,7 +72,9 @@ def check_window(options: LockOptions, source: Callable[[str], str]) -> None:
         )
     if options.period is None and mode is Mode.UNTIL_EXPIRED:
         raise ConfigurationError(
-            source("period"), None, "lock_mode='until_expired' needs the period in seconds"
+            source("period"),
+            None,
+            f"lock_mode='until_expired' (from {source('mode')}) needs the period in seconds",
         )
     if options.period is not None and mode is not Mode.UNTIL_EXPIRED:
         raise ConfigurationError(
