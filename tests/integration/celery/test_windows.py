@@ -33,6 +33,7 @@ def never_overlap(db9: redis.Redis, prefix: str) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("broker", ["redis", "amqp"], indirect=True)
 def test_debounce_burst_runs_once_with_the_last_arguments(
     storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
 ) -> None:
