@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .calls.context import back_off, back_off_async, current_lock, current_rate
     from .celery.install import install
-    from .celery.result import SKIPPED
+    from .celery.result import SKIPPED, SUPERSEDED
     from .celery.task import SingletonTask
     from .core.exceptions import (
         ConfigurationError,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SKIPPED",
+    "SUPERSEDED",
     "ConfigurationError",
     "DuplicateSkipped",
     "DuplicateTask",
@@ -83,6 +84,7 @@ __version__ = "0.1.0.dev0"
 #: Where each public name lives; importing the package loads none of them.
 _HOMES = {
     "SKIPPED": "celery.result",
+    "SUPERSEDED": "celery.result",
     "SingletonTask": "celery.task",
     "install": "celery.install",
     "back_off": "calls.context",

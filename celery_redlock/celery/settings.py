@@ -15,6 +15,7 @@ from typing import Any
 
 from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict, closest_option
+from celery_redlock.calls.windows import check_window
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.store import parse_store, redact_url
 
@@ -38,7 +39,16 @@ __all__ = [
 
 #: Options read in ``apply_async`` by the enqueue modes: a locked queue's entry
 #: cannot set them for such a task (the publisher does not know the queue).
-PUBLISH_SIDE = ("key", "key_prefix", "enqueue_ttl", "on_duplicate")
+PUBLISH_SIDE = (
+    "key",
+    "key_prefix",
+    "enqueue_ttl",
+    "on_duplicate",
+    "debounce",
+    "debounce_max_wait",
+    "keep",
+    "period",
+)
 
 #: Set on a task class (``SingletonTask``) or a wrapped ``run`` that takes its own lock.
 GUARDED_ATTRIBUTE = "__redlock_guarded__"
@@ -132,11 +142,12 @@ def resolve(
         if value is None:
             unset.add(name)
     _check_mode(task, values, sources)
-    if "on_conflict" in unset and values["mode"] is Mode.UNTIL_AND_WHILE_EXECUTING:
+    if "on_conflict" in unset and values["mode"] in (Mode.UNTIL_AND_WHILE_EXECUTING, Mode.DEBOUNCE):
         # The one waiting copy usually reaches a free worker while the last
         # one runs; skipping it would drop the call every duplicate folded into.
         values["on_conflict"] = OnConflict.REQUEUE
     options = LockOptions(**values)
+    check_window(options, sources.__getitem__)
     _check_requeue_delays(options, sources, unset)
     if queue is not None:
         _check_queue_entry(task.name, options, queue, queue_options)

@@ -7,6 +7,7 @@ over it, the call skips, raises :class:`~celery_redlock.RateLimited`, or (under
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,10 +26,11 @@ from celery_redlock.calls.decisions import (
     rate_wait,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard
+from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.rate import Rate, RateVerdict
 
-__all__ = ["CallOptions", "FunctionGuard"]
+__all__ = ["CallOptions", "FunctionGuard", "KeptLock"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class CallOptions:
     on_redis_error: str
     skipped: Any
     limit: int = 1
+    #: ``mode="until_expired"``: seconds an accepted call refuses its duplicates.
+    period: float | None = None
     rate: Rate | None = None
 
     def call(self, key: str, rate_key: str | None = None) -> Call:
@@ -52,6 +56,26 @@ class CallOptions:
         call_id = uuid.uuid4().hex
         label = f"{self.name}[{call_id}]"
         return Call(key, Holder.new(call_id).encode(), label, call_id, rate_key)
+
+
+class KeptLock:
+    """A call's lock that its end does not release: ``until_expired`` keeps it for its period.
+
+    Everything but :meth:`release` is the wrapped lock's (sync or asyncio);
+    the lock was taken for ``period`` seconds without renewal, so it ends by
+    expiring, whether or not the call has finished.
+    """
+
+    def __init__(self, lock: Any, *, asynchronous: bool) -> None:
+        self._lock = lock
+        self._asynchronous = asynchronous
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lock, name)
+
+    def release(self) -> Any:
+        """Leave the lock to expire; an ``async`` lock gets an awaitable that does the same."""
+        return asyncio.sleep(0) if self._asynchronous else None
 
 
 class FunctionGuard(Guard[Any]):
@@ -118,18 +142,21 @@ class FunctionGuard(Guard[Any]):
         timeout = options.wait_timeout
         if timeout is not None and options.rate is not None:
             timeout = max(0.0, timeout - (time.monotonic() - self.started))
-        return self.admission_lock(
+        lock = self.admission_lock(
             self.client,
             call.key,
             limit=options.limit,
-            timeout=options.ttl,
+            timeout=options.ttl if options.period is None else options.period,
             sleep=options.wait_sleep,
             blocking=options.on_conflict == "wait",
             blocking_timeout=timeout,
             thread_local=False,
-            auto_renew=True,
+            auto_renew=options.period is None,
             label=call.label,
         )
+        if options.period is None:
+            return lock
+        return KeptLock(lock, asynchronous=self.admission_lock is not admission_lock)
 
     def refused(self, call: Call, lock: Any) -> Any:
         """Return ``skipped`` under ``"skip"``; otherwise raise.

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 
 from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.guarded import run_guarded
-from celery_redlock.calls.options import LockOptions, check_choice, validate
+from celery_redlock.calls.options import LockOptions, Mode, check_choice, validate
 from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
@@ -48,7 +48,25 @@ def _non_negative(setting: str, value: Any, *, allow_none: bool) -> float | None
     return float(value)
 
 
-# long because: its docstring documents each of its fourteen options; the logic is short
+def _period(mode: str, period: Any) -> float | None:
+    """The period of ``mode="until_expired"``; refuse the windows a direct call cannot have."""
+    window: Mode = validate("mode", mode)
+    if window not in (Mode.WHILE_EXECUTING, Mode.UNTIL_EXPIRED):
+        raise ConfigurationError(
+            "mode",
+            window.value,
+            "a decorated function runs when called: only 'while_executing' and "
+            "'until_expired' apply (debounce and the enqueue windows need a queue: "
+            "a Celery task or an RQ job)",
+        )
+    period = validate("period", period)
+    if (period is None) != (window is Mode.WHILE_EXECUTING):
+        why = "mode='until_expired' needs it" if period is None else "needs mode='until_expired'"
+        raise ConfigurationError("period", period, why)
+    return period  # type: ignore[no-any-return]
+
+
+# long because: its docstring documents each of its sixteen options; the logic is short
 def singleton(
     func: F | None = None,
     *,
@@ -66,6 +84,8 @@ def singleton(
     limit: int = 1,
     rate: str | Rate | None = None,
     rate_key: KeySpec = None,
+    mode: str = "while_executing",
+    period: float | None = None,
 ) -> Any:
     """Run the decorated function under a Redis lock keyed by its arguments.
 
@@ -106,6 +126,13 @@ def singleton(
             until a slot frees and tries again, within ``wait_timeout``.
         rate_key: Which arguments make the rate key (as ``key``); ``None``:
             the same as the lock key.
+        mode: ``"while_executing"`` (default: the lock lasts the call) or
+            ``"until_expired"``: an accepted call holds its key for ``period``
+            seconds, finished or not, and duplicates meanwhile skip, raise or
+            wait. The windows that need a queue (``"debounce"``, the enqueue
+            windows, keeping the latest) make no sense for a direct call,
+            which runs now: they are refused.
+        period: Seconds of ``mode="until_expired"``.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -127,6 +154,8 @@ def singleton(
             limit=limit,
             rate=rate,
             rate_key=rate_key,
+            mode=mode,
+            period=period,
         )
     if not callable(func):
         raise ConfigurationError("func", func, "singleton decorates a function")
@@ -140,6 +169,7 @@ def singleton(
         skipped=skipped,
         limit=validate("limit", limit),
         rate=validate("rate", rate),
+        period=_period(mode, period),
     )
     if options.name and ("{" in options.name or "}" in options.name):
         raise ConfigurationError("name", options.name, "must not contain braces")

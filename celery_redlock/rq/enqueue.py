@@ -1,6 +1,7 @@
 """RQ: enqueue a call unless an identical one (same lock key) is queued, scheduled or running.
 
-See :func:`enqueue_once`. Importing this module needs ``rq``.
+See :func:`enqueue_once` (and, for the windows that keep the newest call or
+limit by time, :mod:`celery_redlock.rq.windows`). Importing this module needs ``rq``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from rq import Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
+from celery_redlock.calls.options import Mode
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.lua import Script
+
+from .windows import enqueue_newest, enqueue_period, window_options
 
 __all__ = ["CLAIM", "enqueue_once"]
 
@@ -68,6 +72,11 @@ def enqueue_once(
     *,
     marker_ttl: float = 86400.0,
     grace: float = 10.0,
+    mode: str = "until_executed",
+    period: float | None = None,
+    debounce: float | None = None,
+    debounce_max_wait: float | None = None,
+    keep: str = "first",
     **enqueue_options: Any,
 ) -> Job:
     """Enqueue ``func(*args, **kwargs)`` unless an identical call is queued or running.
@@ -88,6 +97,14 @@ def enqueue_once(
             that no longer deduplicates.
         grace: Seconds a claimed job id counts as being enqueued before its job
             hash exists (covers the caller between claim and enqueue).
+        mode: ``"until_executed"`` (the above), ``"until_expired"`` (``period``),
+            ``"debounce"`` (``debounce``, ``debounce_max_wait``) or
+            ``"until_and_while_executing"`` with ``keep="latest"``: see
+            :mod:`celery_redlock.rq.windows` and docs/modes.md.
+        period: Seconds an accepted call refuses identical ones (``until_expired``).
+        debounce: Quiet seconds before a debounced burst runs its newest call.
+        debounce_max_wait: Longest a debounced burst waits from its first call.
+        keep: ``"latest"``: a newer call replaces the waiting job.
         **enqueue_options: Passed to ``Queue.enqueue_call`` (``job_timeout`` as
             ``timeout``, ``result_ttl``, ``meta``...); not ``job_id``.
 
@@ -95,16 +112,23 @@ def enqueue_once(
         The new job, or the live identical one.
 
     Raises:
-        ConfigurationError: If ``enqueue_options`` sets ``job_id``.
+        ConfigurationError: If ``enqueue_options`` sets ``job_id``, or a window
+            option is bad (naming it).
     """
     if "job_id" in enqueue_options:
         raise ConfigurationError("job_id", enqueue_options["job_id"], "enqueue_once picks the id")
+    window = window_options(mode, period, debounce, debounce_max_wait, keep)
     kwargs = dict(kwargs or {})
     key_for = getattr(func, "lock_key_for", None)
     if key_for is None:
         name = f"{func.__module__}.{func.__qualname__}"
         key_for = functools.partial(_default_key, KeyBuilder(name, func, None, "redlock"))
-    marker = f"{key_for(*args, **kwargs)}:enqueued"
+    key = key_for(*args, **kwargs)
+    if window.period is not None:
+        return enqueue_period(queue, func, (args, kwargs), key, window.period, enqueue_options)
+    if window.mode is not Mode.UNTIL_EXECUTED:
+        return enqueue_newest(queue, func, (args, kwargs), key, window, enqueue_options)
+    marker = f"{key}:enqueued"
     prefix = queue.job_class.key_for("")
     deadline = time.monotonic() + grace + 1.0
     while True:

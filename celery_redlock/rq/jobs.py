@@ -64,6 +64,7 @@ from celery_redlock.core.rate import Rate, RateLimiter, RateVerdict
 
 # enqueue_once lived here; kept importable from its old place.
 from .enqueue import enqueue_once
+from .windows import newest_lock, retired
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
 
@@ -189,6 +190,7 @@ def singleton_job(
         return runner.run(args, kwargs)
 
     wrapper.lock_key_for = lambda *a, **kw: runner.keys.key_for(a, kw)  # type: ignore[attr-defined]
+    wrapper.__redlock_job__ = True  # type: ignore[attr-defined]  # retires superseded jobs
     return wrapper
 
 
@@ -238,16 +240,13 @@ class _JobRunner(Guard[Any]):
 
         The client is ``client=`` when given, else the worker's own connection.
         """
-        return admission_lock(
-            self._client(call),
-            call.key,
-            limit=self.options.limit,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            label=call.label,
-        )
+        client = self._client(call)
+        options: dict[str, Any] = {"timeout": self.options.ttl, "blocking": False}
+        options.update(thread_local=False, auto_renew=True, label=call.label)
+        newest = newest_lock(_job_of(call, None), client, call.key, **options)
+        if newest is not None:  # enqueued by enqueue_once in a newest-call window
+            return newest
+        return admission_lock(client, call.key, limit=self.options.limit, **options)
 
     def _client(self, call: Call) -> Any:
         return self.client if self.client is not None else _job_of(call).connection
@@ -298,6 +297,9 @@ class _JobRunner(Guard[Any]):
     def refused(self, call: Call, lock: Any) -> Any:
         """Skip (recording why in ``job.meta``), requeue with an RQ ``Retry``, or raise."""
         job, refusal = _job_of(call, None), lock.refusal
+        settled, outcome = retired(job, lock, call.key, self.skipped)
+        if settled:  # superseded by a newer job, or waiting for one
+            return outcome
         decision = decide(
             refusal,
             call.call_id,
