@@ -29,6 +29,8 @@ __all__ = ["CLAIM", "STAMP", "UNSTAMP"]
 # ARGV[4]  ms the hash lasts beyond the copy's delay
 # ARGV[5]  the epoch to give a hash that does not exist yet
 # Returns  {generation, epoch, delay in ms, the task id it replaced ("" for none)}
+# TTL      never shortened: an older copy due later (its countdown) must still
+#          find the hash, or it would stand as the newest and run stale arguments.
 # Resend   as is: a lost reply's generation goes unused, the next one is newer.
 STAMP = Script(
     "newest_stamp",
@@ -58,7 +60,10 @@ if quiet > 0 then
   end
   delay = due - now
 end
-redis.call('PEXPIRE', KEYS[1], delay + tonumber(ARGV[4]))
+local life = delay + tonumber(ARGV[4])
+if redis.call('PTTL', KEYS[1]) < life then
+  redis.call('PEXPIRE', KEYS[1], life)
+end
 return {gen, epoch, delay, replaced}
 """,
 )
@@ -99,7 +104,7 @@ return 1
 # ARGV[4]  the message's generation ("" for a message without one: only the lock)
 # ARGV[5]  the message's epoch
 # ARGV[6]  the message's task id
-# ARGV[7]  ms the hash lasts from now
+# ARGV[7]  ms the hash lasts at least from now (never shortened, as in STAMP)
 # Returns  {1, fence}: the newest, the lock is taken (a debounce burst ends here);
 #          {0, holder's PTTL in ms, holder's value}: the newest, but a copy runs;
 #          {2, task id}: superseded by that copy;
@@ -111,12 +116,17 @@ return 1
 CLAIM = Script(
     "newest_claim",
     """
+local function keep(key, ms)
+  if redis.call('PTTL', key) < tonumber(ms) then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
 if ARGV[4] ~= '' then
   local epoch, gen, task = unpack(redis.call('HMGET', KEYS[3], 'epoch', 'gen', 'task'))
   local mine = tonumber(ARGV[4])
   if not epoch then
     redis.call('HSET', KEYS[3], 'epoch', ARGV[5], 'gen', ARGV[4], 'task', ARGV[6])
-    redis.call('PEXPIRE', KEYS[3], ARGV[7])
+    keep(KEYS[3], ARGV[7])
     return {3}
   end
   if epoch ~= ARGV[5] or mine < tonumber(gen) then
@@ -124,7 +134,7 @@ if ARGV[4] ~= '' then
   end
   if mine > tonumber(gen) then
     redis.call('HSET', KEYS[3], 'gen', ARGV[4], 'task', ARGV[6])
-    redis.call('PEXPIRE', KEYS[3], ARGV[7])
+    keep(KEYS[3], ARGV[7])
     return {3}
   end
 end
@@ -135,7 +145,7 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if ARGV[4] ~= '' then
   redis.call('HDEL', KEYS[3], 'start')
-  redis.call('PEXPIRE', KEYS[3], ARGV[7])
+  keep(KEYS[3], ARGV[7])
 end
 local fence = redis.call('INCR', KEYS[2])
 if fence == 1 then
