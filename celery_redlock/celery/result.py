@@ -93,12 +93,24 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = _FIRST_WAIT
         current: AsyncResult = self
+        followed = {self.id}
         while True:
             state = current.state
             if state == SUPERSEDED:
                 # The call was served by the copy that replaced it: wait for that one.
-                current = self._replacement(current)
-                continue
+                replacement = self._replacement(current)
+                if isinstance(replacement, DuplicateSkipped):
+                    if propagate:
+                        raise replacement
+                    return replacement
+                current = replacement
+                if current.id not in followed:
+                    followed.add(current.id)
+                    continue
+                # Back to a copy already followed: two copies name each other for
+                # a moment (the store lost the generation and a redelivered copy
+                # registered again). Wait on it as on any pending result, within
+                # the timeout, rather than spinning between them.
             if state == SKIPPED:
                 error = skipped_error(current.id, current.info)
                 if propagate:
@@ -127,11 +139,11 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
         info = self.info
         return info.get("by") if isinstance(info, dict) else None
 
-    def _replacement(self, result: AsyncResult) -> AsyncResult:
+    def _replacement(self, result: AsyncResult) -> AsyncResult | DuplicateSkipped:
         info = result.info
         by = info.get("by") if isinstance(info, dict) else None
         if not by or by == result.id:
-            raise DuplicateSkipped(
+            return DuplicateSkipped(
                 f"task {result.id} was superseded by an unknown copy",
                 lock_name=info.get("key") if isinstance(info, dict) else None,
                 task_id=result.id,
