@@ -24,14 +24,23 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, cast
 
+from redis.exceptions import RedisError
 from rq import Queue, Retry
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 
 from celery_redlock.calls.options import Keep, LockOptions, Mode, validate
 from celery_redlock.calls.windows import check_window
+from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import ConfigurationError, DuplicateTask
-from celery_redlock.core.newest import NewestLock, generation_key, parse_stamp, stamp, unstamp
+from celery_redlock.core.newest import (
+    NewestLock,
+    Stamp,
+    generation_key,
+    parse_stamp,
+    stamp,
+    unstamp,
+)
 from celery_redlock.core.window_scripts import RESERVE
 
 __all__ = [
@@ -53,6 +62,9 @@ GENERATION_META = "x_redlock_generation"
 SUPERSEDED_META = "x_redlock_superseded"
 #: The values ``enqueue_once(mode=...)`` takes.
 RQ_MODES = ("until_executed", "until_expired", "debounce", "until_and_while_executing")
+
+#: ``enqueue_call`` options that place the job (``enqueue_job``'s) rather than describe it.
+_PLACEMENT = ("at_front", "pipeline", "unique")
 
 #: Builds a key for the function's arguments.
 KeyFor = Callable[..., str]
@@ -157,6 +169,9 @@ def enqueue_newest(
         "keep": keep_for,
     }
     job_options = {**enqueue_options, "meta": meta}
+    # What enqueue_call passes to enqueue_job rather than to create_job.
+    placed = {name: job_options.pop(name) for name in _PLACEMENT if name in job_options}
+    at_front = bool(placed.pop("at_front", False))
     try:
         job = queue.create_job(
             func, args=tuple(args), kwargs=dict(kwargs), job_id=new_id, **job_options
@@ -164,11 +179,25 @@ def enqueue_newest(
         if drawn.delay > 0:
             # RQ's scheduler keeps whole seconds: round up, never run early.
             when = math.ceil(time.time() + drawn.delay)
-            return queue.schedule_job(job, datetime.fromtimestamp(when, timezone.utc))
-        return queue.enqueue_job(job)
+            return queue.schedule_job(job, datetime.fromtimestamp(when, timezone.utc), **placed)
+        return queue.enqueue_job(job, at_front=at_front, **placed)
     except BaseException:
-        unstamp(queue.connection, key, new_id, drawn)
+        _give_back(queue, key, new_id, drawn)
         raise
+
+
+def _give_back(queue: Queue, key: str, job_id: str, drawn: Stamp) -> None:
+    """Unstamp a job that was never enqueued; a store error is logged, not raised over the cause."""
+    try:
+        unstamp(queue.connection, key, job_id, drawn)
+    except RedisError as exc:
+        logger.warning(
+            "job %s: enqueue failed and its generation of %s could not be given back (%s); "
+            "the job it replaced retires as superseded",
+            job_id,
+            key,
+            describe_error(exc),
+        )
 
 
 def newest_lock(job: Job | None, client: Any, key: str, **lock_options: Any) -> NewestLock | None:

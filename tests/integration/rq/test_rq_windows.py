@@ -107,3 +107,20 @@ def test_bad_window_options_name_the_option(redis_server, options, setting):
         enqueue_once(queue, windows_jobs.plain, ("k", 1), mode="debounce", debounce=1)
     assert info.value.setting == "mode"
     assert queue.count == 0
+
+
+@pytest.mark.timeout(30)
+def test_placement_options_reach_the_enqueue(redis_server):
+    """at_front (enqueue_job's option, not create_job's) puts a keep-latest job first."""
+    client = redis_server.client()
+    queue = Queue("placed", connection=client)
+    queue.enqueue(windows_jobs.plain, "other", 0)
+    job = enqueue_once(
+        queue,
+        windows_jobs.newest,
+        ("k", 1),
+        mode="until_and_while_executing",
+        keep="latest",
+        at_front=True,
+    )
+    assert queue.job_ids[0] == job.id
