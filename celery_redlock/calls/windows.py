@@ -16,10 +16,7 @@ from celery_redlock.core.exceptions import ConfigurationError
 
 from .options import Keep, LockOptions, Mode
 
-__all__ = ["NEWEST_MODES", "check_window", "keeps_newest"]
-
-#: Windows whose publish side stamps a generation and whose stale copies retire.
-NEWEST_MODES = (Mode.DEBOUNCE, Mode.UNTIL_AND_WHILE_EXECUTING)
+__all__ = ["check_window", "keeps_newest"]
 
 
 def keeps_newest(options: LockOptions) -> bool:

@@ -145,6 +145,7 @@ class NewestLock(Lock):
         """Make one ``CLAIM``; on success store the new lease for this thread."""
         sent_at = self._clock()
         epoch, gen = self.stamp or ("", "")
+        self.superseded_by, self.recovered = None, False  # of this attempt only
         reply = CLAIM(
             self.redis,
             (self.name, self.fence_key, generation_key(self.name)),

@@ -93,3 +93,15 @@ def test_a_copy_of_a_lost_epoch_retires_naming_the_newest(r: redis.Redis) -> Non
     assert new.epoch != old.epoch and new.generation == 1 and new.replaced == ""
     stale = _claim(r, old, "A")
     assert stale.superseded_by == "B" and not stale.locked()
+
+
+def test_a_lock_reused_reports_only_its_latest_attempt(r: redis.Redis) -> None:
+    """Recovered on one attempt, then meeting a running copy: the second refusal is a conflict."""
+    drawn = _draw(r, "A")
+    r.delete(generation_key(KEY))
+    lock = _claim(r, drawn, "A")
+    assert lock.recovered
+    r.set(KEY, "another copy", px=10_000)
+    assert not lock.acquire()
+    assert not lock.recovered and lock.superseded_by is None
+    assert lock.refusal.value == "another copy"
