@@ -71,7 +71,8 @@ def publish_newest(
 
     Raises:
         ConfigurationError: ``countdown`` or ``eta`` given to a debounced call
-            (the debounce sets the delay).
+            (the debounce sets the delay), or the call is a member of a group
+            or chord (naming ``group_id`` or ``chord``).
         LockError: The lock store is unreachable and ``on_redis_error`` is not
             ``"run"``; nothing was published.
         LockKeyError: The arguments cannot make a key.
@@ -84,9 +85,8 @@ def publish_newest(
     kind, _ = Republish.of(task, task_id, generation_key(key))
     if kind is not Republish.NEW:
         return publish(args, kwargs, task_id, options)
+    _check_call(task.name, opts.mode, options)
     debounce = opts.mode is Mode.DEBOUNCE
-    if debounce:
-        _no_delay_given(task.name, options)
     label = f"task {task.name}[{task_id}]"
     try:
         drawn = stamp(
@@ -111,6 +111,25 @@ def publish_newest(
     except BaseException:
         _unstamp(guard, key, task_id, drawn, label)
         raise
+
+
+def _check_call(name: str, mode: Mode, options: Mapping[str, Any]) -> None:
+    """Refuse a group or chord member, and a delay given to a debounced call.
+
+    A superseded member would never finish its group or chord; a debounce sets
+    its own delay.
+    """
+    which = next((option for option in ("chord", "group_id") if options.get(option)), None)
+    if which is not None:
+        raise ConfigurationError(
+            which,
+            options[which],
+            f"{name} keeps only the newest call ({mode.value}): a superseded member never "
+            "finishes, so its group's result and its chord would wait for ever; call it "
+            "outside a group or chord",
+        )
+    if mode is Mode.DEBOUNCE:
+        _no_delay_given(name, options)
 
 
 def _no_delay_given(name: str, options: Mapping[str, Any]) -> None:
