@@ -17,6 +17,7 @@ still waiting, ``start`` (when the burst's first call came, in ms).
 from __future__ import annotations
 
 from .lua import Script
+from .window_scripts import DRAW_FENCE
 
 __all__ = ["CLAIM", "STAMP", "UNSTAMP"]
 
@@ -147,14 +148,8 @@ if ARGV[4] ~= '' then
   redis.call('HDEL', KEYS[3], 'start')
   keep(KEYS[3], ARGV[7])
 end
-local fence = redis.call('INCR', KEYS[2])
-if fence == 1 then
-  local now = redis.call('TIME')
-  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
-else
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-return {1, fence}
+"""
+    + DRAW_FENCE
+    + """return {1, fence}
 """,
 )
