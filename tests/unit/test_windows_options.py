@@ -71,3 +71,32 @@ def test_a_queue_entry_cannot_set_the_window_options():
     with pytest.raises(ConfigurationError) as info:
         resolve(task_with(mode="while_executing"), {}, "q", {"debounce": 1})
     assert info.value.setting == "redlock_queues['q'].debounce"
+
+
+@pytest.mark.parametrize(
+    "window",
+    [{"mode": "debounce", "debounce": 1}, {"mode": "until_and_while_executing", "keep": "latest"}],
+)
+def test_the_newest_call_waits_whatever_the_app_wide_conflict_policy(window):
+    """An app-wide skip is meant for the other windows: the newest copy still waits and runs."""
+    options = resolve(task_with(**window), {"redlock_on_conflict": "skip"})
+    assert options.on_conflict == "requeue"
+
+
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize(
+    "window",
+    [{"mode": "debounce", "debounce": 1}, {"mode": "until_and_while_executing", "keep": "latest"}],
+)
+def test_a_task_that_would_drop_its_newest_call_is_refused(window, policy):
+    """Skipping or failing the newest copy would drop every call it replaced: refused by name."""
+    with pytest.raises(
+        ConfigurationError, match=r"proj\.task\.lock_on_conflict.*must be 'requeue'"
+    ):
+        resolve(task_with(on_conflict=policy, **window), {})
+
+
+def test_a_first_call_window_keeps_the_app_wide_conflict_policy():
+    """keep='first' is not affected: the app-wide skip still applies to it."""
+    options = resolve(task_with(mode="until_executing"), {"redlock_on_conflict": "skip"})
+    assert options.on_conflict == "skip"
