@@ -28,13 +28,16 @@ from .options import LockOptions
 __all__ = [
     "Decision",
     "decide",
+    "fair_countdown",
     "gave_up",
     "log_rate_limited",
     "log_store_failure",
     "not_acquired",
+    "rate_action",
     "rate_countdown",
     "rate_keys",
     "rate_limited",
+    "rate_wait",
     "requeue_countdown",
     "requeue_delay",
 ]
@@ -163,6 +166,44 @@ def requeue_countdown(
     return delay
 
 
+#: Longest poll of a call that is next in line, in seconds.
+NEXT_POLL = 0.25
+
+
+def fair_countdown(
+    options: LockOptions,
+    attempt: int,
+    draw: float,
+    refusal: Refusal,
+    seen: tuple[int, int] | None = None,
+) -> float:
+    """The delay of a requeue that keeps its place in line (``refusal.rank`` is set).
+
+    A call that is next in line (within the first ``limit`` waiters) comes back
+    after a short poll (a quarter of ``requeue_delay``, at most
+    :data:`NEXT_POLL`, and no later than the holder's lease could end). One
+    further back comes back when about half of the turns ahead of it should
+    have passed, judged by how fast its rank moved since its previous attempt
+    (``seen``: that rank and the server's milliseconds then); without that
+    measure it backs off as usual, but at most ``requeue_delay`` per turn
+    ahead, so it is never asleep for long when its turn comes.
+    """
+    assert refusal.rank is not None
+    poll = min(NEXT_POLL, options.requeue_delay / 4)
+    if refusal.ttl is not None:
+        poll = min(poll, refusal.ttl + 0.05)
+    turns = refusal.rank - (refusal.limit or 1) + 1
+    if turns <= 0:
+        return poll
+    now_ms = refusal.now_ms
+    if seen is not None and now_ms is not None and seen[0] > refusal.rank and now_ms > seen[1]:
+        per_turn = (now_ms - seen[1]) / 1000 / (seen[0] - refusal.rank)
+        delay = turns * per_turn / 2
+    else:
+        delay = min(requeue_delay(options, attempt, draw), turns * options.requeue_delay)
+    return max(poll, min(delay, options.requeue_max_delay))
+
+
 def log_store_failure(
     what: str, key: str, exc: RedisError, action: str, log: logging.Logger = logger
 ) -> str:
@@ -189,21 +230,54 @@ def log_store_failure(
     return failure
 
 
-def rate_keys(name: str, run: Callable[..., Any], options: LockOptions) -> KeyBuilder | None:
+def rate_keys(
+    name: str,
+    run: Callable[..., Any],
+    options: LockOptions,
+    option: str = "lock_rate_key",
+    key_option: str = "lock_key",
+) -> KeyBuilder | None:
     """The builder of a call's rate keys, or ``None`` without a rate limit.
 
     Rate keys are ``<prefix>:rate:v1:{<name>:<digest>}``: of ``rate_key``'s
     arguments, else of the lock key's, so by default one rate key per lock key.
+    ``option`` and ``key_option`` are how errors name ``rate_key`` and ``key``
+    (``rate_key`` and ``key`` for the decorator and RQ).
 
     Raises:
         ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run`` does not take.
     """
     if options.rate is None:
         return None
-    if options.rate_key is None:
-        return KeyBuilder(name, run, options.key, f"{options.key_prefix}:rate")
     prefix = f"{options.key_prefix}:rate"
-    return KeyBuilder(name, run, options.rate_key, prefix, option="lock_rate_key")
+    if options.rate_key is None:
+        return KeyBuilder(name, run, options.key, prefix, option=key_option)
+    return KeyBuilder(name, run, options.rate_key, prefix, option=option)
+
+
+def rate_action(on_conflict: str, can_requeue: bool = True) -> str:
+    """What a call over its rate limit does: ``"skip"``, ``"requeue"``, ``"wait"`` or ``"raise"``.
+
+    The same ``on_conflict`` as for a held lock. A call that cannot be
+    requeued (an eager Celery call, a job run outside a worker) raises instead;
+    rate requeues never count against ``max_requeues`` (the wait is exact, and
+    a slot frees in it).
+    """
+    if on_conflict == REQUEUE and not can_requeue:
+        return RAISE
+    return on_conflict if on_conflict in (SKIP, REQUEUE, "wait") else RAISE
+
+
+def rate_wait(verdict: RateVerdict, waited: float, timeout: float | None) -> float | None:
+    """How long a waiting call sleeps before asking again: exactly until a slot frees.
+
+    ``None`` when that would take it past ``timeout`` seconds of waiting in
+    all (``None``: no limit): the call is then refused at once rather than
+    after a sleep that cannot end in time.
+    """
+    if timeout is not None and waited + verdict.wait > timeout:
+        return None
+    return verdict.wait
 
 
 def rate_countdown(options: LockOptions, verdict: RateVerdict, draw: float) -> float:

@@ -12,10 +12,13 @@ from typing import Any
 
 __all__ = [
     "CONTINUES_HEADER",
+    "GENERATION_HEADER",
+    "QUEUE_HEADER",
     "REQUEUES_HEADER",
     "RESERVATION_HEADER",
     "SELF_HEADER",
     "header_of",
+    "place_of",
     "requeues_of",
 ]
 
@@ -31,6 +34,24 @@ RESERVATION_HEADER = "x_redlock_reservation"
 #: continues a call that already ran, so the worker never drops it as a
 #: duplicate, whatever reservation it does or does not carry.
 CONTINUES_HEADER = "x_redlock_continues"
+#: Message header of a call in a window that keeps the newest (``debounce``,
+#: ``keep="latest"``): ``"<epoch>:<generation>"`` of its key when it was
+#: published; an older generation retires itself at the worker.
+GENERATION_HEADER = "x_redlock_generation"
+
+
+#: Message header of a call waiting in line (see core/queue_scripts.py):
+#: ``[retries, arrival in microseconds, rank, server ms]`` of its latest refusal,
+#: so its place survives requeues and its next countdown can judge the pace.
+QUEUE_HEADER = "x_redlock_queue"
+
+
+def place_of(request: Any) -> tuple[int, int, int] | None:
+    """The (arrival, rank, server ms) of this attempt's latest place in line, if any."""
+    value = header_of(request, QUEUE_HEADER)
+    if isinstance(value, (list, tuple)) and len(value) == 4 and value[0] == (request.retries or 0):
+        return int(value[1]), int(value[2]), int(value[3])
+    return None
 
 
 def requeues_of(request: Any) -> int:

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,11 +35,55 @@ def wait_started(db9: redis.Redis, prefix: str, task_id: str, count: int = 1) ->
     return started(db9, prefix, task_id)[count - 1]
 
 
-def wait_gone(db9: redis.Redis, key: str, timeout: float) -> float:
-    """Wait until ``key`` no longer exists; return how long that took."""
-    began = time.monotonic()
-    wait_until(lambda: not db9.exists(key), timeout=timeout, message=f"{key} still held")
-    return time.monotonic() - began
+def deleted_before_expiry(
+    db9: redis.Redis, key: str, action: Callable[[], object], timeout: float = 30
+) -> None:
+    """Run ``action``, then wait until ``key`` is gone; fail unless it was deleted with TTL left.
+
+    ``key``'s expiry is read once before ``action`` (which may release it at
+    once) and again on every poll. Both ends are read on the Redis server's
+    clock (``TIME`` beside each ``PTTL``), so a slow test process cannot
+    mistake an expiry for a release.
+    """
+    expires_ms: list[int] = []
+
+    def gone() -> bool:
+        pipe = db9.pipeline(transaction=True)
+        pipe.pttl(key)
+        pipe.time()
+        ttl, (seconds, micros) = pipe.execute()
+        now_ms = seconds * 1000 + micros // 1000
+        if ttl >= 0:
+            expires_ms.append(now_ms + ttl)
+            return False
+        assert expires_ms, f"{key} was not held when the watch began"
+        assert now_ms < expires_ms[-1], f"{key} ran out its TTL instead of being released"
+        return True
+
+    assert not gone()
+    action()
+    wait_until(gone, timeout=timeout, interval=0.02, message=f"{key} to be released")
+
+
+def expire_unrenewed(db9: redis.Redis, key: str, timeout: float = 30) -> list[int]:
+    """Watch ``key``'s TTL until the key is gone; fail if anything renewed it meanwhile.
+
+    Returns the TTLs (ms) seen. A lock whose holder died must run out on its
+    own: its TTL only falls. A renewal (a watchdog outliving its task) would
+    raise it again.
+    """
+    seen: list[int] = []
+
+    def gone() -> bool:
+        ttl = int(db9.pttl(key))
+        if ttl < 0:
+            return True
+        seen.append(ttl)
+        return False
+
+    wait_until(gone, timeout=timeout, interval=0.02, message=f"{key} to expire")
+    assert seen == sorted(seen, reverse=True), f"{key} was renewed after its holder died: {seen}"
+    return seen
 
 
 @pytest.mark.timeout(60)
@@ -64,8 +109,11 @@ def test_revoke_with_terminate_releases_and_a_duplicate_then_runs(
     gate = f"{prefix}:gate:{uuid.uuid4().hex}"
     first = task.delay(1, 0, gate)
     wait_started_via_lock(db9, task.lock_key_for(1, 0, gate))
-    storm_app.control.revoke(first.id, terminate=True)
-    assert wait_gone(db9, task.lock_key_for(1, 0, gate), timeout=5) < 5
+    deleted_before_expiry(
+        db9,
+        task.lock_key_for(1, 0, gate),
+        lambda: storm_app.control.revoke(first.id, terminate=True),
+    )
     db9.set(gate, 1)
     assert task.delay(1, 0, gate).get(timeout=20) == 1
 
@@ -106,8 +154,8 @@ def test_hard_time_limit_frees_the_lock_within_its_ttl(
     wait_started(db9, prefix, result.id)
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=20)
-    # Killed at 1 s; no renewals after that, so the 2 s lock is gone by 3 s at the latest.
-    wait_gone(db9, task.lock_key_for(10), timeout=3)
+    # Killed at 1 s: nothing renews the 2 s lock after that, and it runs out.
+    expire_unrenewed(db9, task.lock_key_for(10))
     again = task.delay(10)
     wait_started(db9, prefix, again.id)  # the duplicate is not skipped: it runs
 
@@ -125,7 +173,7 @@ def test_sigkill_of_the_child_frees_the_lock_within_its_ttl(
     key = task.lock_key_for(1, gate)
     assert db9.exists(key)
     os.kill(victim["pid"], signal.SIGKILL)
-    assert wait_gone(db9, key, timeout=4) <= 2.5  # lock_ttl is 2 s
+    assert expire_unrenewed(db9, key)[0] <= 2000  # lock_ttl is 2 s; no renewal after the kill
     db9.set(gate, 1)
     assert task.delay(1, gate).get(timeout=20) == 1
 
