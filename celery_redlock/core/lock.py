@@ -66,10 +66,11 @@ class Lock(LockSettings):
         on_lost: Called with the :class:`Lease` when it is found lost. Runs on
             the watchdog thread; keep it short.
         fencing: Draw a fencing token on each acquisition (same round trip).
-        fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Seconds a fence key outlives its name's latest
-            acquisition; a name unused that long reseeds its fences from the
-            server clock, and they still increase.
+        fence_key: Override the fence counter's key (default: the store's
+            counter, one per hash slot on Cluster: ``fence_key_for(name)``).
+        fence_retention: Seconds the fence counter outlives its latest draw;
+            a store unused that long reseeds its fences from the server
+            clock, and they still increase.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).

@@ -1,4 +1,4 @@
-"""The options every lock class takes, validated in one place, and the fence key of a name.
+"""The options every lock class takes, validated in one place.
 
 :class:`LockSettings` stores redis-py's lock arguments and this package's
 additions for :class:`~celery_redlock.core.lock.Lock` and its asyncio twin;
@@ -12,6 +12,7 @@ from typing import Any, Union
 
 from . import replication as replicated
 from .exceptions import ConfigurationError
+from .fences import fence_key_for, is_cluster
 from .lease import Clock, LostCallback
 
 __all__ = [
@@ -27,22 +28,8 @@ __all__ = [
 #: Seconds, as redis-py's lock takes them.
 Number = Union[int, float]
 
-#: Lifetime of a fence key from when it is seeded; see ``scripts.ACQUIRE``.
+#: Lifetime of a fence counter from its latest draw; see ``scripts.ACQUIRE``.
 DEFAULT_FENCE_RETENTION = 3600.0
-
-
-def fence_key_for(name: str | bytes) -> str | bytes:
-    """Return the key holding the fence counter of lock ``name``.
-
-    The fence key must share the lock key's Redis Cluster hash slot, because the
-    acquire script touches both. A name with a hash tag keeps it; any other name
-    becomes the tag of its fence key, which hashes to the same slot as the name.
-    Bytes names (which redis-py accepts) give a bytes key.
-    """
-    if isinstance(name, bytes):
-        # latin-1 maps every byte to one character and back, braces included.
-        return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
-    return key_beside(name, "fence")
 
 
 def key_beside(name: str, suffix: str) -> str:
@@ -163,7 +150,9 @@ class LockSettings:
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.fencing = fencing
-        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        self.fence_key = (
+            fence_key if fence_key is not None else fence_key_for(name, cluster=is_cluster(redis))
+        )
         self._fence_retention_ms = int(fence_retention * 1000)
         self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
         self.drift_factor = drift_factor

@@ -46,7 +46,7 @@ def keys_on(cluster: LocalCluster, pattern: str) -> list[bytes]:
 
 
 def test_lock_is_exclusive_and_its_fence_shares_the_lock_keys_slot(cluster, store):
-    """Acquire, contend, release on a Cluster; lock and fence key live on one node, one slot."""
+    """Acquire, contend, release on a Cluster; lock and its slot's fence counter share a slot."""
     name = f"c1:v1:{{t.job:{uuid.uuid4().hex}}}"
     first, second = store.lock(name, timeout=5), store.lock(name, timeout=5)
     assert first.acquire(blocking=False)
@@ -54,14 +54,15 @@ def test_lock_is_exclusive_and_its_fence_shares_the_lock_keys_slot(cluster, stor
     node = cluster.node_of(name)
     admin = node.client()
     assert admin.get(name) == first.token
-    assert admin.cluster("keyslot", name) == admin.cluster("keyslot", fence_key_for(name))
+    counter = fence_key_for(name, cluster=True)
+    assert admin.cluster("keyslot", name) == admin.cluster("keyslot", counter)
     fence = first.fence
-    assert int(admin.get(fence_key_for(name))) == fence
+    assert int(admin.get(counter)) == fence
     first.release()
     assert second.acquire(blocking=False)
     assert second.fence > fence
     second.release()
-    assert keys_on(cluster, "c1:*") == [fence_key_for(name).encode()]
+    assert keys_on(cluster, "c1:*") == []  # the slot's counter is all that stays
 
 
 def test_watchdog_renews_locks_of_every_slot_without_cross_slot_commands(cluster, store):
@@ -128,7 +129,8 @@ def test_singleton_task_end_to_end_on_a_cluster(cluster, redis_server):
         fence = first.get(timeout=10)
         # The lock is free as soon as the result is visible, on whichever node holds it.
         assert sync.delay("acme").get(timeout=10) > fence
-    assert keys_on(cluster, f"{prefix}:*") == [fence_key_for(key).encode()]
+    assert keys_on(cluster, f"{prefix}:*") == []
+    assert cluster.node_of(key).client().exists(fence_key_for(key, cluster=True))
 
 
 def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, store):
@@ -147,7 +149,7 @@ def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, stor
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(blocking_timeout=20)))
     thread.start()
-    keys = semaphore_keys(name)
+    keys = semaphore_keys(name, cluster=True)
     node = cluster.node_of(name).client()
     wait_until(lambda: node.zcard(keys.waiters) == 1, 10, "the waiter to queue")
     wait_until(lambda: all(h.lease.renewals >= 2 for h in holders), 10, "two renewals each")
