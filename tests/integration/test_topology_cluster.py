@@ -211,3 +211,25 @@ def test_cluster_failover_under_steady_locking(redis_server_binary, tmp_path):
 
         wait_until(progressed, 30, "both clients to lock on every shard again")
         check_grants(lockers(warm, fresh))
+
+
+def test_distinct_names_leave_one_fence_counter_per_slot(cluster, store):
+    """1,000 distinct names locked and released leave nothing but one counter per slot
+    they hash to, and each slot's fences strictly increase."""
+    from redis.crc import key_slot
+
+    prefix = f"c6{uuid.uuid4().hex[:6]}"
+    by_slot: dict[int, list[int]] = {}
+    for n in range(1_000):
+        name = f"{prefix}:v1:{{t.job:{n}}}"
+        lock = store.lock(name, timeout=10)
+        assert lock.acquire(blocking=False)
+        by_slot.setdefault(key_slot(name.encode()), []).append(lock.fence)
+        lock.release()
+    assert keys_on(cluster, f"{prefix}:*") == []
+    assert all(fences == sorted(set(fences)) for fences in by_slot.values())
+    counters = {key for node in cluster.nodes for key in node.client().scan_iter("redlock:fence*")}
+    expected = {
+        fence_key_for(f"{prefix}:v1:{{t.job:{n}}}", cluster=True).encode() for n in range(1_000)
+    }
+    assert len(expected) == len(by_slot) and expected <= counters
