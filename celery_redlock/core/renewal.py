@@ -5,6 +5,9 @@ after their last renewal. A pass renews every lease that is due or more than
 half way there, so leases fall into step and each pass costs one pipelined
 round trip per Redis connection pool, however many locks (and semaphore
 permits, renewed by a script of their own in the same pipeline) the process holds.
+On Redis Cluster a script may touch one hash slot only: a pass sends one script
+call per slot (and script), all in one cluster pipeline, which redis-py writes
+to every node before reading: one round trip per node.
 
 A renewal that fails on a connection error is retried until the lease's own
 validity deadline; only then is the lease given up as lost. A lease the server
@@ -29,10 +32,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
 from . import replication as replicated
 from .error_text import describe_error
+from .fences import is_cluster
 from .lease import Clock, Lease
 from .lua import Script
 from .nodes import bounded_client
@@ -146,9 +151,12 @@ class Watchdog:
             if lease.renews_itself:
                 alone.append(lease)
                 continue
-            # A client without a pool (Redis Cluster) cannot take one script
-            # over keys of several slots: such leases are renewed one by one.
-            pool = getattr(lease.client, "connection_pool", None)
+            # A Cluster client has no pool: its leases are one group, split by
+            # slot when sent. Any other client without a pool renews alone.
+            client = lease.client
+            pool = getattr(client, "connection_pool", None)
+            if pool is None and is_cluster(client):
+                pool = client
             by_pool[lease if pool is None else pool, lease.replication].append(lease)
         for (pool, replication), leases in by_pool.items():
             try:
@@ -203,14 +211,21 @@ class Watchdog:
         self, client: Any, leases: Sequence[Lease], replication: Replication | None = None
     ) -> None:
         # Locks and semaphore permits renew with different scripts: one chunk
-        # list per script, all of them in the pass's one pipelined round trip.
-        by_script: dict[Script, list[Lease]] = {}
-        for lease in leases:
-            by_script.setdefault(lease.renew_script, []).append(lease)
+        # list per script (and per hash slot on Cluster, where a script touches
+        # one slot), all of them in the pass's one pipelined round trip.
+        by_script: dict[tuple[Script, int], list[Lease]] = {}
+        if is_cluster(client):
+            encode = client.get_encoder().encode
+            for lease in leases:
+                slot = key_slot(encode(lease.renew_key))
+                by_script.setdefault((lease.renew_script, slot), []).append(lease)
+        else:
+            for lease in leases:
+                by_script.setdefault((lease.renew_script, 0), []).append(lease)
         size = self._batch_size
         chunks = [
             (script, group[i : i + size])
-            for script, group in by_script.items()
+            for (script, _), group in by_script.items()
             for i in range(0, len(group), size)
         ]
         sent_at = self._clock()
@@ -238,19 +253,25 @@ class Watchdog:
                 args += (lease.token, int(lease.ttl * 1000))
             return [lease.renew_key for lease in chunk], args
 
-        if len(chunks) == 1:
-            script, chunk = chunks[0]
+        if len(chunks) == 1 or (replication is not None and is_cluster(client)):
+            # One call, or a Cluster whose WAIT must follow each slot's call on
+            # that slot's node: sent one by one.
             if replication is None:
-                return [script(client, *script_args(chunk))]
-            return [replicated.renew(client, *script_args(chunk), replication, script=script)]
+                return [script(client, *script_args(chunk)) for script, chunk in chunks]
+            return [
+                replicated.renew(client, *script_args(chunk), replication, script=script)
+                for script, chunk in chunks
+            ]
         pipe = client.pipeline(transaction=False)
         for script, chunk in chunks:
-            script.queue(pipe, *script_args(chunk))
+            _queue(client, pipe, script, *script_args(chunk))
         if replication is not None:
             # Behind every script on the pipeline's one connection: it covers them all.
             pipe.execute_command(*replication.wait)
         replies: list[Any] = pipe.execute(raise_on_error=False)
         acknowledged = replies.pop() if replication is not None else 0
+        if replication is None:
+            self._resend_unknown_scripts(client, chunks, replies, script_args)
         for i, reply in enumerate(replies):
             if isinstance(reply, NoScriptError):
                 # Sent apart, on a connection of its own: with its own WAIT.
@@ -270,6 +291,31 @@ class Watchdog:
                 client, int(acknowledged), replication, chunks[0][1][0].name, renewed=renewed
             )
         return replies
+
+    @staticmethod
+    def _resend_unknown_scripts(
+        client: Any,
+        chunks: Sequence[tuple[Script, Sequence[Lease]]],
+        replies: list[Any],
+        script_args: Any,
+    ) -> None:
+        """Load the scripts a server did not know and resend those calls in one pipeline.
+
+        After a restart (or on a Cluster node that never ran them) every call of
+        the pass answers ``NOSCRIPT``, having done nothing: sending each again
+        alone would cost a round trip per call (per slot, on a Cluster).
+        """
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if not missing:
+            return
+        for script in {chunks[i][0] for i in missing}:
+            client.script_load(script.source)  # every primary, on a Cluster client
+        pipe = client.pipeline(transaction=False)
+        for i in missing:
+            script, chunk = chunks[i]
+            _queue(client, pipe, script, *script_args(chunk))
+        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
+            replies[i] = reply
 
     def _settle(self, lease: Lease, sent_at: float, pttl_ms: int) -> None:
         if lease.released:
@@ -301,6 +347,20 @@ class Watchdog:
                 retrying,
                 describe_error(exc),
             )
+
+
+def _queue(
+    client: Any, pipe: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]
+) -> None:
+    """Queue one renewal call; on a Cluster, addressed to its slot's node.
+
+    A Cluster pipeline asks a server for the keys of each script call it is not
+    told the node of (``COMMAND GETKEYS``): a round trip per call.
+    """
+    if is_cluster(client):
+        script.queue(pipe, keys, args, target_nodes=client.get_node_from_key(keys[0]))
+    else:
+        script.queue(pipe, keys, args)
 
 
 def _reset_if_alive(ref: weakref.ref[Watchdog]) -> None:

@@ -233,3 +233,68 @@ def test_distinct_names_leave_one_fence_counter_per_slot(cluster, store):
         fence_key_for(f"{prefix}:v1:{{t.job:{n}}}", cluster=True).encode() for n in range(1_000)
     }
     assert len(expected) == len(by_slot) and expected <= counters
+
+
+class _Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _NeverStarted:
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_watchdog_renews_every_slot_in_one_round_trip_per_node(cluster, store, monkeypatch):
+    """600 locks over hundreds of slots: a renewal pass sends one script call per slot,
+    all in one pipelined write per master, and renews every lock once."""
+    import redis.connection
+
+    from celery_redlock import Lock
+    from celery_redlock.core.scripts import RENEW
+
+    clock = _Clock()
+    watchdog = Watchdog(clock=clock)
+    watchdog._thread = _NeverStarted()  # passes driven by hand
+    client = store.client
+    prefix = f"c7{uuid.uuid4().hex[:6]}"
+    locks = [
+        Lock(client, f"{prefix}:v1:{{t.job:{n}}}", timeout=60, clock=clock) for n in range(600)
+    ]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+        watchdog.watch(lock.lease)
+    slots_per_node = {node.port: set() for node in cluster.nodes}
+    for lock in locks:
+        slots_per_node[cluster.node_of(lock.name).port].add(client.keyslot(lock.name))
+    assert all(len(slots) > 50 for slots in slots_per_node.values())
+
+    client.script_load(RENEW.source)  # every master knows it, as after any first pass
+    writes: dict[int, int] = {}
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, *args, **kwargs):
+        writes[self.port] = writes.get(self.port, 0) + 1
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    for node in cluster.nodes:
+        node.reset_stats()
+    for period in (1, 2):
+        clock.now += 20  # a third of the TTL
+        writes.clear()
+        watchdog.renew_due()
+        assert writes == {node.port: 1 for node in cluster.nodes}
+        assert [lock.lease.renewals for lock in locks] == [period] * 600
+    monkeypatch.undo()
+    for node in cluster.nodes:
+        calls = node.commandstats().get("evalsha", 0)
+        assert calls == 2 * len(slots_per_node[node.port])  # one call per slot and pass
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()
