@@ -6,8 +6,8 @@ half way there, so leases fall into step and each pass costs one pipelined
 round trip per Redis connection pool, however many locks (and semaphore
 permits, renewed by a script of their own in the same pipeline) the process holds.
 On Redis Cluster a script may touch one hash slot only: a pass sends one script
-call per slot (and script), all in one cluster pipeline, which redis-py writes
-to every node before reading: one round trip per node.
+call per slot (and script), all in one write per master (see
+:mod:`celery_redlock.core.renewal_wire`, which sends a pass).
 
 A renewal that fails on a connection error is retried until the lease's own
 validity deadline; only then is the lease given up as lost. A lease the server
@@ -33,14 +33,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError
 
-from . import replication as replicated
 from .error_text import describe_error
 from .fences import is_cluster
 from .lease import Clock, Lease
 from .lua import Script
 from .nodes import bounded_client
+from .renewal_wire import send_chunks
 from .replication import Replication
 
 __all__ = ["Watchdog", "default_watchdog"]
@@ -145,19 +144,21 @@ class Watchdog:
         batch = self._take_due(now)
         by_pool: dict[tuple[Any, Replication | None], list[Lease]] = defaultdict(list)
         alone: list[Lease] = []
+        # Thousands of leases share a few clients: find each client's group once.
+        pools: dict[int, Any] = {}
         for lease in batch:
             if not lease.still_to_renew():
                 continue
             if lease.renews_itself:
                 alone.append(lease)
                 continue
-            # A Cluster client has no pool: its leases are one group, split by
-            # slot when sent. Any other client without a pool renews alone.
             client = lease.client
-            pool = getattr(client, "connection_pool", None)
-            if pool is None and is_cluster(client):
-                pool = client
-            by_pool[lease if pool is None else pool, lease.replication].append(lease)
+            pool = pools.get(id(client))
+            if pool is None:
+                # A Cluster client has no pool: its leases are one group, split
+                # by slot when sent. Any other client without a pool renews alone.
+                pool = pools[id(client)] = _group_of(client)
+            by_pool[lease if pool is _ALONE else pool, lease.replication].append(lease)
         for (pool, replication), leases in by_pool.items():
             try:
                 clients = self._clients.get(pool)
@@ -193,18 +194,31 @@ class Watchdog:
             self._push(lease, sent_at + lease.ttl / 3)
 
     def _take_due(self, now: float) -> list[Lease]:
+        # Renew early rather than alone: whatever is half way to due joins this
+        # pass, which keeps every lease in one round trip.
         taken: list[Lease] = []
         with self._cond:
             heap = self._heap
-            while heap:
-                due, _, lease = heap[0]
-                assert lease.ttl is not None
-                # Renew early rather than alone: whatever is half way to due
-                # joins this pass, which keeps every lease in one round trip.
-                if due > now + lease.ttl / 6:
-                    break
-                heapq.heappop(heap)
-                taken.append(lease)
+            if not heap or heap[0][0] > now + heap[0][2].ttl / 6:  # type: ignore[operator]
+                return taken
+            if len(heap) <= _SCAN_FROM:
+                while heap:
+                    due, _, lease = heap[0]
+                    if due > now + lease.ttl / 6:  # type: ignore[operator]
+                        break
+                    heapq.heappop(heap)
+                    taken.append(lease)
+                return taken
+            # Many leases, and usually most of them due at once (they fall into
+            # step): one scan and a rebuild cost less than a pop per lease.
+            kept = []
+            for entry in heap:
+                if entry[0] > now + entry[2].ttl / 6:  # type: ignore[operator]
+                    kept.append(entry)
+                else:
+                    taken.append(entry[2])
+            heapq.heapify(kept)
+            self._heap = kept
         return taken
 
     def _renew_group(
@@ -230,104 +244,34 @@ class Watchdog:
         ]
         sent_at = self._clock()
         try:
-            replies = self._send(client, chunks, replication)
+            replies = send_chunks(client, chunks, replication)
         except Exception as exc:
             # Whatever went wrong, the leases go back in the heap: dropping them
             # would leave them neither renewed nor reported lost.
             self._schedule_retry(leases, exc)
             return
+        renewed: list[tuple[float, int, Lease]] = []
+        seq = self._seq
         for (_, chunk), reply in zip(chunks, replies):
             for lease, pttl_ms in zip(chunk, reply):
-                self._settle(lease, sent_at, pttl_ms)
-
-    def _send(
-        self,
-        client: Any,
-        chunks: Sequence[tuple[Script, Sequence[Lease]]],
-        replication: Replication | None = None,
-    ) -> list[Any]:
-        def script_args(chunk: Sequence[Lease]) -> tuple[list[str], list[Any]]:
-            args: list[Any] = ["1"]
-            for lease in chunk:
-                assert lease.ttl is not None
-                args += (lease.token, int(lease.ttl * 1000))
-            return [lease.renew_key for lease in chunk], args
-
-        if len(chunks) == 1 or (replication is not None and is_cluster(client)):
-            # One call, or a Cluster whose WAIT must follow each slot's call on
-            # that slot's node: sent one by one.
-            if replication is None:
-                return [script(client, *script_args(chunk)) for script, chunk in chunks]
-            return [
-                replicated.renew(client, *script_args(chunk), replication, script=script)
-                for script, chunk in chunks
-            ]
-        pipe = client.pipeline(transaction=False)
-        for script, chunk in chunks:
-            _queue(client, pipe, script, *script_args(chunk))
-        if replication is not None:
-            # Behind every script on the pipeline's one connection: it covers them all.
-            pipe.execute_command(*replication.wait)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        acknowledged = replies.pop() if replication is not None else 0
-        if replication is None:
-            self._resend_unknown_scripts(client, chunks, replies, script_args)
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                # Sent apart, on a connection of its own: with its own WAIT.
-                script, chunk = chunks[i]
-                args = script_args(chunk)
-                if replication is None:
-                    replies[i] = script(client, *args)
-                else:
-                    replies[i] = replicated.renew(client, *args, replication, script=script)
-            elif isinstance(reply, Exception):
-                raise reply
-        if isinstance(acknowledged, Exception):
-            raise acknowledged
-        if replication is not None:
-            renewed = any(any(reply) for reply in replies)
-            replicated.check_acknowledged(
-                client, int(acknowledged), replication, chunks[0][1][0].name, renewed=renewed
-            )
-        return replies
-
-    @staticmethod
-    def _resend_unknown_scripts(
-        client: Any,
-        chunks: Sequence[tuple[Script, Sequence[Lease]]],
-        replies: list[Any],
-        script_args: Any,
-    ) -> None:
-        """Load the scripts a server did not know and resend those calls in one pipeline.
-
-        After a restart (or on a Cluster node that never ran them) every call of
-        the pass answers ``NOSCRIPT``, having done nothing: sending each again
-        alone would cost a round trip per call (per slot, on a Cluster).
-        """
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if not missing:
-            return
-        for script in {chunks[i][0] for i in missing}:
-            client.script_load(script.source)  # every primary, on a Cluster client
-        pipe = client.pipeline(transaction=False)
-        for i in missing:
-            script, chunk = chunks[i]
-            _queue(client, pipe, script, *script_args(chunk))
-        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
-            replies[i] = reply
-
-    def _settle(self, lease: Lease, sent_at: float, pttl_ms: int) -> None:
-        if lease.released:
-            return
-        if not pttl_ms:
-            lease.mark_lost("the key no longer holds this lease's token")
-            return
-        lease.validate_until(sent_at, pttl_ms / 1000)
-        lease.renewals += 1
-        assert lease.ttl is not None
+                if lease.released:
+                    continue
+                if not pttl_ms:
+                    lease.mark_lost("the key no longer holds this lease's token")
+                    continue
+                lease.validate_until(sent_at, pttl_ms / 1000)
+                lease.renewals += 1
+                renewed.append((sent_at + lease.ttl / 3, next(seq), lease))  # type: ignore[operator]
+        # Back in the heap under one acquisition of the lock, not one per lease;
+        # many at once are appended and the heap rebuilt (linear, in C).
         with self._cond:
-            self._push(lease, sent_at + lease.ttl / 3)
+            heap = self._heap
+            if len(renewed) > len(heap):
+                heap += renewed
+                heapq.heapify(heap)
+            else:
+                for entry in renewed:
+                    heapq.heappush(heap, entry)
 
     def _schedule_retry(self, leases: Iterable[Lease], exc: BaseException) -> None:
         now = self._clock()
@@ -349,18 +293,20 @@ class Watchdog:
             )
 
 
-def _queue(
-    client: Any, pipe: Any, script: Script, keys: Sequence[Any], args: Sequence[Any]
-) -> None:
-    """Queue one renewal call; on a Cluster, addressed to its slot's node.
+#: Heaps longer than this are scanned for due leases rather than popped one by one.
+_SCAN_FROM = 64
 
-    A Cluster pipeline asks a server for the keys of each script call it is not
-    told the node of (``COMMAND GETKEYS``): a round trip per call.
-    """
-    if is_cluster(client):
-        script.queue(pipe, keys, args, target_nodes=client.get_node_from_key(keys[0]))
-    else:
-        script.queue(pipe, keys, args)
+
+#: The group of a client whose leases renew one by one.
+_ALONE = object()
+
+
+def _group_of(client: Any) -> Any:
+    """What a client's leases are batched by: its pool, a Cluster client itself, or none."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool
+    return client if is_cluster(client) else _ALONE
 
 
 def _reset_if_alive(ref: weakref.ref[Watchdog]) -> None:
