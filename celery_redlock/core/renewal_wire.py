@@ -53,6 +53,8 @@ def send_chunks(
 
     if replication is None and _packable(client):
         return _send_packed(client, chunks, script_args)
+    if replication is None and is_cluster(client):
+        return _send_per_node(client, chunks, script_args)
     if len(chunks) == 1 or (replication is not None and is_cluster(client)):
         # One call, or a Cluster whose WAIT must follow each slot's call on
         # that slot's node: sent one by one.
@@ -93,40 +95,41 @@ def send_chunks(
     return replies
 
 
-def _send_packed(
-    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: Any
-) -> list[Any]:
-    """Send every chunk in one write on one pooled connection, then read the replies.
+def _pack(script: Script, chunk: Sequence[Lease]) -> bytes:
+    """The RESP bytes of one renewal call, from the parts each lease encoded once."""
+    keys, rest = [], []
+    for lease in chunk:
+        key, args = lease.renew_resp()
+        keys.append(key)
+        rest.append(args)
+    count = b"%d" % len(chunk)
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n%s$1\r\n1\r\n%s" % (
+        3 + 3 * len(chunk) + 1,
+        script.sha.encode(),
+        len(count),
+        count,
+        b"".join(keys),
+        b"".join(rest),
+    )
 
-    What a pipeline does, without encoding each lease's key and token
-    again on every pass (see :meth:`Lease.renew_resp`): with thousands of
-    leases, encoding was most of a pass's CPU.
-    """
-    packed = []
-    for script, chunk in chunks:
-        keys, rest = [], []
-        for lease in chunk:
-            key, args = lease.renew_resp()
-            keys.append(key)
-            rest.append(args)
-        count = b"%d" % len(chunk)
-        packed.append(
-            b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n%s$1\r\n1\r\n%s"
-            % (
-                3 + 3 * len(chunk) + 1,
-                script.sha.encode(),
-                len(count),
-                count,
-                b"".join(keys),
-                b"".join(rest),
-            )
-        )
-    pool = client.connection_pool
+
+def _write(pool: Any, packed: Sequence[bytes]) -> Any:
+    """Write ``packed`` on a connection of ``pool``; return the connection, owing the replies."""
     connection = checkout(pool)
+    try:
+        connection.send_packed_command(list(packed))
+    except BaseException:
+        connection.disconnect()
+        pool.release(connection)
+        raise
+    return connection
+
+
+def _read(pool: Any, connection: Any, count: int) -> list[Any]:
+    """Read ``count`` replies (error replies returned, not raised); release the connection."""
     replies: list[Any] = []
     try:
-        connection.send_packed_command(packed)
-        for _ in packed:
+        for _ in range(count):
             try:
                 replies.append(connection.read_response())
             except ResponseError as exc:  # NOSCRIPT among them: the rest still come
@@ -137,7 +140,60 @@ def _send_packed(
         raise
     finally:
         pool.release(connection)
+    return replies
+
+
+def _send_packed(
+    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: Any
+) -> list[Any]:
+    """Send every chunk in one write on one pooled connection, then read the replies.
+
+    What a pipeline does, without encoding each lease's key and token
+    again on every pass (see :meth:`Lease.renew_resp`): with thousands of
+    leases, encoding was most of a pass's CPU.
+    """
+    packed = [_pack(script, chunk) for script, chunk in chunks]
+    pool = client.connection_pool
+    replies = _read(pool, _write(pool, packed), len(packed))
     _resend_unknown_scripts(client, chunks, replies, script_args)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _send_per_node(
+    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: Any
+) -> list[Any]:
+    """On a Cluster: each master's calls in one write, all written before any is read.
+
+    Calls that fail (a moved slot, a node that cannot be reached, an unknown
+    script) are sent again through a cluster pipeline, which follows
+    redirections and refreshes the slot table.
+    """
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, (_, chunk) in enumerate(chunks):
+        node = client.get_node_from_key(chunk[0].renew_key)
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(chunks)
+    written = []
+    for node, indices in by_node.values():
+        pool = client.get_redis_connection(node).connection_pool
+        try:
+            connection = _write(pool, [_pack(*chunks[i]) for i in indices])
+        except Exception as exc:
+            for i in indices:
+                replies[i] = exc
+            continue
+        written.append((pool, connection, indices))
+    for pool, connection, indices in written:
+        try:
+            for i, reply in zip(indices, _read(pool, connection, len(indices))):
+                replies[i] = reply
+        except Exception as exc:
+            for i in indices:
+                replies[i] = exc
+    _resend_failed(client, chunks, replies, script_args)
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
@@ -165,6 +221,24 @@ def _resend_unknown_scripts(
         script, chunk = chunks[i]
         _queue(client, pipe, script, *script_args(chunk), source=True)
     for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
+        replies[i] = reply
+
+
+def _resend_failed(
+    client: Any,
+    chunks: Sequence[tuple[Script, Sequence[Lease]]],
+    replies: list[Any],
+    script_args: Any,
+) -> None:
+    """Send every call that failed again, with its script's source, in one cluster pipeline."""
+    failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
+    if not failed:
+        return
+    pipe = client.pipeline(transaction=False)
+    for i in failed:
+        script, chunk = chunks[i]
+        _queue(client, pipe, script, *script_args(chunk), source=True)
+    for i, reply in zip(failed, pipe.execute(raise_on_error=False)):
         replies[i] = reply
 
 
