@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     from .replication import Replication
 
+from redis.crc import key_slot
+
 from .lua import Script
 from .scripts import RENEW
 
@@ -114,7 +116,7 @@ class Lease:
         self._drift_factor = drift_factor
         self._owner = weakref.ref(owner) if owner is not None else None
         self.deadline: float | None = None
-        self._renew_resp: tuple[int, bytes, bytes] | None = None
+        self._renew_resp: tuple[int, bytes, bytes, int] | None = None
         if ttl is not None:
             self.validate_until(sent_at, ttl)
 
@@ -137,6 +139,14 @@ class Lease:
         milliseconds (its two ARGV). Built once: a watchdog renewing thousands
         of leases a period would otherwise encode the same bytes every time.
         """
+        cached = self._renew_parts()
+        return cached[1], cached[2]
+
+    def renew_slot(self) -> int:
+        """The Redis Cluster hash slot of :attr:`renew_key` (computed once)."""
+        return self._renew_parts()[3]
+
+    def _renew_parts(self) -> tuple[int, bytes, bytes, int]:
         assert self.ttl is not None
         ms = int(self.ttl * 1000)
         cached = self._renew_resp
@@ -147,8 +157,9 @@ class Lease:
                 ms,
                 b"$%d\r\n%s\r\n" % (len(key), key),
                 b"$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(token), token, len(text), text),
+                key_slot(key),
             )
-        return cached[1], cached[2]
+        return cached
 
     @property
     def renew_key(self) -> str:

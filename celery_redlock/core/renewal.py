@@ -32,8 +32,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from redis.crc import key_slot
-
 from .error_text import describe_error
 from .fences import is_cluster
 from .lease import Clock, Lease
@@ -229,10 +227,8 @@ class Watchdog:
         # one slot), all of them in the pass's one pipelined round trip.
         by_script: dict[tuple[Script, int], list[Lease]] = {}
         if is_cluster(client):
-            encode = client.get_encoder().encode
             for lease in leases:
-                slot = key_slot(encode(lease.renew_key))
-                by_script.setdefault((lease.renew_script, slot), []).append(lease)
+                by_script.setdefault((lease.renew_script, lease.renew_slot()), []).append(lease)
         else:
             for lease in leases:
                 by_script.setdefault((lease.renew_script, 0), []).append(lease)

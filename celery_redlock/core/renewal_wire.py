@@ -16,7 +16,7 @@ script) loads the script once and resends those calls in one pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
@@ -29,6 +29,9 @@ from .replication import Replication
 from .reserved import checkout
 
 __all__ = ["send_chunks"]
+
+#: The KEYS and ARGV of one chunk's renewal call.
+ScriptArgs = Callable[[Sequence[Lease]], tuple[list[str], list[Any]]]
 
 
 def send_chunks(
@@ -64,6 +67,16 @@ def send_chunks(
             replicated.renew(client, *script_args(chunk), replication, script=script)
             for script, chunk in chunks
         ]
+    return _send_pipelined(client, chunks, replication, script_args)
+
+
+def _send_pipelined(
+    client: Any,
+    chunks: Sequence[tuple[Script, Sequence[Lease]]],
+    replication: Replication | None,
+    script_args: ScriptArgs,
+) -> list[Any]:
+    """Send the chunks in one redis-py pipeline, with ``WAIT`` behind them if replicated."""
     pipe = client.pipeline(transaction=False)
     for script, chunk in chunks:
         _queue(client, pipe, script, *script_args(chunk))
@@ -117,7 +130,8 @@ def _write(pool: Any, packed: Sequence[bytes]) -> Any:
     """Write ``packed`` on a connection of ``pool``; return the connection, owing the replies."""
     connection = checkout(pool)
     try:
-        connection.send_packed_command(list(packed))
+        # One buffer: redis-py writes each item of a list with its own syscall.
+        connection.send_packed_command([b"".join(packed)])
     except BaseException:
         connection.disconnect()
         pool.release(connection)
@@ -144,7 +158,7 @@ def _read(pool: Any, connection: Any, count: int) -> list[Any]:
 
 
 def _send_packed(
-    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: Any
+    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: ScriptArgs
 ) -> list[Any]:
     """Send every chunk in one write on one pooled connection, then read the replies.
 
@@ -163,7 +177,7 @@ def _send_packed(
 
 
 def _send_per_node(
-    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: Any
+    client: Any, chunks: Sequence[tuple[Script, Sequence[Lease]]], script_args: ScriptArgs
 ) -> list[Any]:
     """On a Cluster: each master's calls in one write, all written before any is read.
 
@@ -204,7 +218,7 @@ def _resend_unknown_scripts(
     client: Any,
     chunks: Sequence[tuple[Script, Sequence[Lease]]],
     replies: list[Any],
-    script_args: Any,
+    script_args: ScriptArgs,
 ) -> None:
     """Resend the calls a server did not know the script of, with its source, in one pipeline.
 
@@ -228,7 +242,7 @@ def _resend_failed(
     client: Any,
     chunks: Sequence[tuple[Script, Sequence[Lease]]],
     replies: list[Any],
-    script_args: Any,
+    script_args: ScriptArgs,
 ) -> None:
     """Send every call that failed again, with its script's source, in one cluster pipeline."""
     failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
