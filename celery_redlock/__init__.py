@@ -19,9 +19,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .calls.context import back_off, current_lock, current_rate
+    from .calls.context import back_off, back_off_async, current_lock, current_rate
     from .celery.install import install
-    from .celery.result import SKIPPED
+    from .celery.result import SKIPPED, SUPERSEDED
     from .celery.task import SingletonTask
     from .core.exceptions import (
         ConfigurationError,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SKIPPED",
+    "SUPERSEDED",
     "ConfigurationError",
     "DuplicateSkipped",
     "DuplicateTask",
@@ -69,6 +70,7 @@ __all__ = [
     "Watchdog",
     "__version__",
     "back_off",
+    "back_off_async",
     "current_lock",
     "current_rate",
     "default_watchdog",
@@ -82,9 +84,11 @@ __version__ = "0.1.0.dev0"
 #: Where each public name lives; importing the package loads none of them.
 _HOMES = {
     "SKIPPED": "celery.result",
+    "SUPERSEDED": "celery.result",
     "SingletonTask": "celery.task",
     "install": "celery.install",
     "back_off": "calls.context",
+    "back_off_async": "calls.context",
     "current_lock": "calls.context",
     "current_rate": "calls.context",
     "singleton": "functions.decorator",

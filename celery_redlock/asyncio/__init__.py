@@ -1,5 +1,7 @@
 """celery-redlock for asyncio: :class:`Lock`, :class:`Redlock`, :class:`Semaphore` (redis.asyncio).
 
+:class:`RateLimiter` admits calls to a rate key's sliding window (the core's, awaited).
+
 :func:`drain` waits for round trips a Redlock left running in the background.
 
 Import it as ``celery_redlock.asyncio``; it never shadows the standard library's
@@ -11,8 +13,9 @@ integration.
 from __future__ import annotations
 
 from .lock import Lock
+from .rate import RateLimiter
 from .redlock import Redlock
 from .semaphore import Semaphore
 from .shielding import drain
 
-__all__ = ["Lock", "Redlock", "Semaphore", "drain"]
+__all__ = ["Lock", "RateLimiter", "Redlock", "Semaphore", "drain"]

@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from celery_redlock.core.lock import Lease
-from celery_redlock.core.rate import RateLimiter, RateVerdict
+from celery_redlock.core.rate import RateVerdict
 
-__all__ = ["RateSlot", "back_off", "current_lock", "current_rate", "holding", "rated"]
+__all__ = [
+    "RateSlot",
+    "back_off",
+    "back_off_async",
+    "current_lock",
+    "current_rate",
+    "holding",
+    "rated",
+]
 
 _current: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "celery_redlock_current_lock", default=None
@@ -49,12 +59,14 @@ class RateSlot:
 
     Attributes:
         key: The rate key.
-        limiter: The limiter that admitted the call.
+        limiter: The limiter that admitted the call: the core
+            :class:`~celery_redlock.core.rate.RateLimiter`, or its asyncio twin
+            in an ``async def`` call.
         verdict: The admission: ``at_ms`` (server time of the start) and ``used``.
     """
 
     key: str
-    limiter: RateLimiter
+    limiter: Any
     verdict: RateVerdict
 
 
@@ -87,11 +99,35 @@ def back_off(seconds: float) -> float:
     longer block already in place is kept. Returns how long the block lasts.
 
     Raises:
-        RuntimeError: Outside a call with a rate limit (``lock_rate``).
+        RuntimeError: Outside a call with a rate limit (``lock_rate``), or in an
+            ``async def`` call (await :func:`back_off_async` there).
         ValueError: If ``seconds`` is not positive.
         redis.exceptions.RedisError: When the lock store fails.
     """
+    slot = _slot("back_off")
+    if inspect.iscoroutinefunction(slot.limiter.back_off):
+        raise RuntimeError("an async def call backs off with: await back_off_async(seconds)")
+    return float(slot.limiter.back_off(slot.key, seconds))
+
+
+async def back_off_async(seconds: float) -> float:
+    """:func:`back_off` for the body of an ``async def`` call with a rate limit.
+
+    Raises:
+        RuntimeError: Outside a call with a rate limit, or in a plain (sync) call.
+        ValueError: If ``seconds`` is not positive.
+        redis.exceptions.RedisError: When the lock store fails.
+    """
+    slot = _slot("back_off_async")
+    if not inspect.iscoroutinefunction(slot.limiter.back_off):
+        raise RuntimeError("a plain call backs off with back_off(seconds), without await")
+    return float(await slot.limiter.back_off(slot.key, seconds))
+
+
+def _slot(caller: str) -> RateSlot:
     slot = _rate_slot.get()
     if slot is None:
-        raise RuntimeError("back_off() is for the body of a call with a rate limit (lock_rate)")
-    return slot.limiter.back_off(slot.key, seconds)
+        raise RuntimeError(
+            f"{caller}() is for the body of a call with a rate limit (lock_rate, rate=)"
+        )
+    return slot

@@ -32,9 +32,11 @@ __all__ = [
     "log_rate_limited",
     "log_store_failure",
     "not_acquired",
+    "rate_action",
     "rate_countdown",
     "rate_keys",
     "rate_limited",
+    "rate_wait",
     "requeue_countdown",
     "requeue_delay",
 ]
@@ -189,21 +191,54 @@ def log_store_failure(
     return failure
 
 
-def rate_keys(name: str, run: Callable[..., Any], options: LockOptions) -> KeyBuilder | None:
+def rate_keys(
+    name: str,
+    run: Callable[..., Any],
+    options: LockOptions,
+    option: str = "lock_rate_key",
+    key_option: str = "lock_key",
+) -> KeyBuilder | None:
     """The builder of a call's rate keys, or ``None`` without a rate limit.
 
     Rate keys are ``<prefix>:rate:v1:{<name>:<digest>}``: of ``rate_key``'s
     arguments, else of the lock key's, so by default one rate key per lock key.
+    ``option`` and ``key_option`` are how errors name ``rate_key`` and ``key``
+    (``rate_key`` and ``key`` for the decorator and RQ).
 
     Raises:
         ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run`` does not take.
     """
     if options.rate is None:
         return None
-    if options.rate_key is None:
-        return KeyBuilder(name, run, options.key, f"{options.key_prefix}:rate")
     prefix = f"{options.key_prefix}:rate"
-    return KeyBuilder(name, run, options.rate_key, prefix, option="lock_rate_key")
+    if options.rate_key is None:
+        return KeyBuilder(name, run, options.key, prefix, option=key_option)
+    return KeyBuilder(name, run, options.rate_key, prefix, option=option)
+
+
+def rate_action(on_conflict: str, can_requeue: bool = True) -> str:
+    """What a call over its rate limit does: ``"skip"``, ``"requeue"``, ``"wait"`` or ``"raise"``.
+
+    The same ``on_conflict`` as for a held lock. A call that cannot be
+    requeued (an eager Celery call, a job run outside a worker) raises instead;
+    rate requeues never count against ``max_requeues`` (the wait is exact, and
+    a slot frees in it).
+    """
+    if on_conflict == REQUEUE and not can_requeue:
+        return RAISE
+    return on_conflict if on_conflict in (SKIP, REQUEUE, "wait") else RAISE
+
+
+def rate_wait(verdict: RateVerdict, waited: float, timeout: float | None) -> float | None:
+    """How long a waiting call sleeps before asking again: exactly until a slot frees.
+
+    ``None`` when that would take it past ``timeout`` seconds of waiting in
+    all (``None``: no limit): the call is then refused at once rather than
+    after a sleep that cannot end in time.
+    """
+    if timeout is not None and waited + verdict.wait > timeout:
+        return None
+    return verdict.wait
 
 
 def rate_countdown(options: LockOptions, verdict: RateVerdict, draw: float) -> float:

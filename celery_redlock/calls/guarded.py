@@ -13,6 +13,7 @@ the body did, before the caller sees its outcome.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -21,7 +22,7 @@ from redis.exceptions import RedisError
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotOwned
 from celery_redlock.core.lock import Lease
-from celery_redlock.core.rate import RateLimiter, RateVerdict
+from celery_redlock.core.rate import RateVerdict
 
 from .context import RateSlot, holding, rated
 
@@ -101,13 +102,26 @@ class Guard(Generic[T]):
         """Resolve a call whose acquire was refused (``lock.refusal`` says by whom)."""
         raise NotImplementedError
 
-    def rate_limiter(self, call: Call) -> RateLimiter:
-        """The limiter of a call with a ``rate_key`` (may raise ``RedisError``)."""
+    def rate_limiter(self, call: Call) -> Any:
+        """The limiter of a call with a ``rate_key`` (may raise ``RedisError``).
+
+        A :class:`~celery_redlock.core.rate.RateLimiter`, or its asyncio twin
+        (:class:`celery_redlock.asyncio.rate.RateLimiter`) for the asyncio routine.
+        """
         raise NotImplementedError
 
     def rate_limited(self, call: Call, verdict: RateVerdict) -> T:
         """Resolve a call over its rate limit (``verdict.wait``: seconds until a slot frees)."""
         raise NotImplementedError
+
+    def rate_retry_in(self, call: Call, verdict: RateVerdict, waited: float) -> float | None:
+        """Seconds to wait in place before asking the rate limit again, or ``None``.
+
+        ``None`` (the default) hands the call to :meth:`rate_limited` at once;
+        a number makes the routine sleep that long (``asyncio.sleep`` in the
+        asyncio twin) and try again. ``waited``: seconds this call has waited so far.
+        """
+        return None
 
     def store_failed(self, call: Call, exc: RedisError) -> T:
         """Resolve a call whose store failed: return its result, :data:`UNPROTECTED`, or raise."""
@@ -162,20 +176,27 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
 def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], T]) -> T:
     """:func:`run_guarded` for a call with a rate key: admitted by its limit, then locked.
 
-    The admission is one round trip; a call over the limit goes to
-    :meth:`Guard.rate_limited`, and an admission whose lock is then refused is
+    The admission is one round trip; a call over the limit waits in place when
+    :meth:`Guard.rate_retry_in` says so (exactly until a slot frees), else goes
+    to :meth:`Guard.rate_limited`; an admission whose lock is then refused is
     taken back.
     """
-    try:
-        limiter = guard.rate_limiter(call)
-        verdict = limiter.acquire(rate_key, call.call_id)
+    started = time.monotonic()
+    while True:
+        try:
+            limiter = guard.rate_limiter(call)
+            verdict = limiter.acquire(rate_key, call.call_id)
+            if verdict.admitted:
+                lock = guard.new_lock(call)
+                acquired = lock.acquire(token=call.token)
+        except RedisError as exc:
+            return run_unprotected(guard, call, exc, body)
         if verdict.admitted:
-            lock = guard.new_lock(call)
-            acquired = lock.acquire(token=call.token)
-    except RedisError as exc:
-        return run_unprotected(guard, call, exc, body)
-    if not verdict.admitted:
-        return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
+            break
+        delay = guard.rate_retry_in(call, verdict, time.monotonic() - started)
+        if delay is None:
+            return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
+        time.sleep(delay)
     slot = RateSlot(rate_key, limiter, verdict)
     if not acquired:
         _refund(slot)

@@ -25,9 +25,11 @@ from celery_redlock.core.rate import Rate, parse_rate
 __all__ = [
     "CONFLICT_POLICIES",
     "DUPLICATE_POLICIES",
+    "KEEP_POLICIES",
     "MODES",
     "OPTIONS",
     "REDIS_ERROR_POLICIES",
+    "Keep",
     "LockOptions",
     "Mode",
     "OnConflict",
@@ -47,6 +49,18 @@ class Mode(str, enum.Enum):
     UNTIL_EXECUTING = "until_executing"
     UNTIL_EXECUTED = "until_executed"
     UNTIL_AND_WHILE_EXECUTING = "until_and_while_executing"
+    DEBOUNCE = "debounce"
+    UNTIL_EXPIRED = "until_expired"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Keep(str, enum.Enum):
+    """Which call a window keeps when another comes: the first or the latest."""
+
+    FIRST = "first"
+    LATEST = "latest"
 
     def __str__(self) -> str:
         return self.value
@@ -92,6 +106,8 @@ REDIS_ERROR_POLICIES = tuple(policy.value for policy in OnRedisError)
 MODES = tuple(mode.value for mode in Mode)
 #: The values of :class:`OnDuplicate`, in order.
 DUPLICATE_POLICIES = tuple(policy.value for policy in OnDuplicate)
+#: The values of :class:`Keep`, in order.
+KEEP_POLICIES = tuple(policy.value for policy in Keep)
 
 Validator = Callable[[str, Any], Any]
 
@@ -107,6 +123,10 @@ def _seconds(setting: str, value: Any) -> float:
     if value < 0.001:
         raise ConfigurationError(setting, value, "must be at least 0.001 seconds")
     return float(value)
+
+
+def _optional_seconds(setting: str, value: Any) -> float | None:
+    return None if value is None else _seconds(setting, value)
 
 
 def _choice(kind: type[enum.Enum]) -> Validator:
@@ -193,6 +213,14 @@ class LockOptions:
             ``"20/s"``, ``"10/5s"``), or ``None``: see docs/limits.md.
         rate_key: Which arguments make the rate key (like ``key``); ``None``:
             the same as the lock key.
+        debounce: ``mode="debounce"``: seconds of quiet after a burst's last
+            call before it runs, with that call's arguments.
+        debounce_max_wait: ``mode="debounce"``: longest a burst waits from its
+            first call, or ``None`` (no bound).
+        keep: :class:`Keep`: ``"latest"`` lets a newer call replace the waiting
+            copy (``until_and_while_executing`` only).
+        period: ``mode="until_expired"``: seconds an accepted call refuses its
+            duplicates, whether or not it has finished.
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -210,6 +238,10 @@ class LockOptions:
     limit: int = _option(1, _limit)
     rate: Rate | None = _option(None, _rate, app_wide=False)
     rate_key: KeySpec = _option(None, _key_spec, app_wide=False)
+    debounce: float | None = _option(None, _optional_seconds, app_wide=False)
+    debounce_max_wait: float | None = _option(None, _optional_seconds, app_wide=False)
+    keep: Keep = _option(Keep.FIRST, _choice(Keep), app_wide=False)
+    period: float | None = _option(None, _optional_seconds, app_wide=False)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from celery_redlock.calls.decisions import (
     log_rate_limited,
     log_store_failure,
     not_acquired,
+    rate_action,
     rate_countdown,
     rate_keys,
     rate_limited,
@@ -175,9 +176,7 @@ class TaskGuard(Guard[Any]):
         """Requeue until a slot frees (not counted as a retry or requeue), skip, or raise."""
         assert call.rate_key is not None and self.options.rate is not None
         request = self.task.request
-        action = str(self.options.on_conflict)
-        if action == "requeue" and request.is_eager:
-            action = "raise"
+        action = rate_action(self.options.on_conflict, can_requeue=not request.is_eager)
         log_rate_limited(call, self.options.rate, verdict, action, logger)
         if action == "requeue":
             delay = rate_countdown(self.options, verdict, random.random())

@@ -6,10 +6,12 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from celery_redlock.calls.windows import keeps_newest
 from celery_redlock.celery.settings import resolve
 from celery_redlock.core.store import store_for
 
 from .guard import TaskGuard
+from .newest import NewestGuard
 from .window import EnqueueGuard
 
 __all__ = ["guard_for"]
@@ -33,6 +35,10 @@ def guard_for(
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
-        factory = TaskGuard if options.mode == "while_executing" else EnqueueGuard
+        factory: type[TaskGuard] = EnqueueGuard
+        if options.mode == "while_executing":
+            factory = TaskGuard
+        elif keeps_newest(options):
+            factory = NewestGuard
         guard = per_queue[queue] = factory(task, options, store_for(task.app), queue)
     return guard

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "CONTINUES_HEADER",
+    "GENERATION_HEADER",
     "REQUEUES_HEADER",
     "RESERVATION_HEADER",
     "SELF_HEADER",
@@ -31,6 +32,10 @@ RESERVATION_HEADER = "x_redlock_reservation"
 #: continues a call that already ran, so the worker never drops it as a
 #: duplicate, whatever reservation it does or does not carry.
 CONTINUES_HEADER = "x_redlock_continues"
+#: Message header of a call in a window that keeps the newest (``debounce``,
+#: ``keep="latest"``): ``"<epoch>:<generation>"`` of its key when it was
+#: published; an older generation retires itself at the worker.
+GENERATION_HEADER = "x_redlock_generation"
 
 
 def requeues_of(request: Any) -> int:

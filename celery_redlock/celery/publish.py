@@ -144,6 +144,19 @@ def _with_reservation(options: dict[str, Any], value: str | None) -> dict[str, A
     return {**options, "headers": headers}
 
 
+def _reservation_ms(guard: TaskGuard, options: Mapping[str, Any]) -> int:
+    """How long a new call's reservation lasts, in ms.
+
+    ``until_expired``: its period, from acceptance; a retry or requeue of the
+    accepted call neither renews it nor meets it. Other windows: the call's
+    delay plus ``enqueue_ttl``.
+    """
+    if guard.options.period is not None:
+        return max(1, int(guard.options.period * 1000))
+    return max(1, int((publish_delay(options) + guard.options.enqueue_ttl) * 1000))
+
+
+# long because: its docstring lists every outcome; the body is one path with early exits
 def apply_async(
     guard: TaskGuard,
     publish: Publish,
@@ -179,8 +192,10 @@ def apply_async(
     rkey = reservation_key(guard.options.mode, guard.keys.key_for(args or (), kwargs or {}))
     kind, lease = Republish.of(task, task_id, rkey)
     value = Holder.new(task_id).encode()
-    ttl_ms = max(1, int((publish_delay(options) + guard.options.enqueue_ttl) * 1000))
+    ttl_ms = _reservation_ms(guard, options)
     call = (args, kwargs, task_id)
+    if guard.options.period is not None and kind is not Republish.NEW:
+        return publish(args, kwargs, task_id, options)  # until_expired: see _reservation_ms
     if lease is not None:
         return _publish_retry(guard, publish, call, options, lease, value, ttl_ms)
     if kind is Republish.RETRY:

@@ -21,12 +21,24 @@ from celery.states import READY_STATES
 
 from celery_redlock.core.exceptions import DuplicateSkipped
 
-__all__ = ["RESULT_GRACE", "SKIPPED", "SingletonResult", "already_done", "skipped_error"]
+__all__ = [
+    "RESULT_GRACE",
+    "SKIPPED",
+    "SUPERSEDED",
+    "SingletonResult",
+    "already_done",
+    "skipped_error",
+]
 
 #: Task state recorded for a call skipped because a duplicate held the lock.
 #: Not a Celery ready state: :meth:`SingletonResult.get` raises
 #: :class:`~celery_redlock.DuplicateSkipped` for it.
 SKIPPED = "SKIPPED"
+
+#: Task state recorded for a call that a newer call of the same key replaced
+#: (``lock_mode="debounce"``, ``lock_keep="latest"``); its meta names the
+#: replacing task id under ``"by"``. :meth:`SingletonResult.get` follows it.
+SUPERSEDED = "SUPERSEDED"
 
 # The first wait for a ready state, doubled up to the last: a skip is usually
 # recorded within milliseconds of the publish, a real result may take minutes.
@@ -54,7 +66,12 @@ def skipped_error(task_id: str, info: Any) -> DuplicateSkipped:
 
 
 class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
-    """An ``AsyncResult`` whose :meth:`get` returns promptly for a skipped duplicate."""
+    """An ``AsyncResult`` whose :meth:`get` returns promptly for a skipped duplicate.
+
+    For a call another call superseded (state ``SUPERSEDED``), :meth:`get`
+    follows the replacing copy (and its own replacement, if any) and returns
+    the result of the run that served the call.
+    """
 
     def get(
         self,
@@ -65,6 +82,9 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
     ) -> Any:
         """Wait for the result as ``AsyncResult.get`` does; a ``SKIPPED`` call ends the wait.
 
+        A ``SUPERSEDED`` call waits for the copy that replaced it instead, within
+        the same ``timeout``.
+
         Raises:
             DuplicateSkipped: The call was skipped (with ``propagate``; without,
                 the error is returned).
@@ -72,22 +92,64 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = _FIRST_WAIT
+        current: AsyncResult = self
+        followed = {self.id}
         while True:
-            if self.state == SKIPPED:
-                error = skipped_error(self.id, self.info)
+            state = current.state
+            if state == SUPERSEDED:
+                # The call was served by the copy that replaced it: wait for that one.
+                replacement = self._replacement(current)
+                if isinstance(replacement, DuplicateSkipped):
+                    if propagate:
+                        raise replacement
+                    return replacement
+                current = replacement
+                if current.id not in followed:
+                    followed.add(current.id)
+                    continue
+                # Back to a copy already followed: two copies name each other for
+                # a moment (the store lost the generation and a redelivered copy
+                # registered again). Wait on it as on any pending result, within
+                # the timeout, rather than spinning between them.
+            if state == SKIPPED:
+                error = skipped_error(current.id, current.info)
                 if propagate:
                     raise error
                 return error
             left = None if deadline is None else deadline - time.monotonic()
             step = wait if left is None else max(0.0, min(wait, left))
             try:
-                return super().get(
-                    timeout=step, propagate=propagate, interval=min(interval, step), **options
+                return AsyncResult.get(
+                    current,
+                    timeout=step,
+                    propagate=propagate,
+                    interval=min(interval, step),
+                    **options,
                 )
             except ResultTimeout:
                 if left is not None and left <= step:
                     raise
             wait = min(wait * 2, _LONGEST_WAIT)
+
+    @property
+    def superseded_by(self) -> str | None:
+        """The task id of the copy that replaced this call (state ``SUPERSEDED``), else ``None``."""
+        if self.state != SUPERSEDED:
+            return None
+        info = self.info
+        return info.get("by") if isinstance(info, dict) else None
+
+    def _replacement(self, result: AsyncResult) -> AsyncResult | DuplicateSkipped:
+        info = result.info
+        by = info.get("by") if isinstance(info, dict) else None
+        if not by or by == result.id:
+            return DuplicateSkipped(
+                f"task {result.id} was superseded by an unknown copy",
+                lock_name=info.get("key") if isinstance(info, dict) else None,
+                task_id=result.id,
+                holder=None,
+            )
+        return AsyncResult(by, backend=self.backend, app=self.app)
 
 
 def already_done(task: Any, task_id: str) -> bool:

@@ -9,12 +9,14 @@ names the setting that supplied a bad one. The app-wide settings
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.options import OPTIONS, LockOptions, Mode, OnConflict, closest_option
+from celery_redlock.calls.windows import check_window, keeps_newest
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.store import parse_store, redact_url
 
@@ -38,7 +40,16 @@ __all__ = [
 
 #: Options read in ``apply_async`` by the enqueue modes: a locked queue's entry
 #: cannot set them for such a task (the publisher does not know the queue).
-PUBLISH_SIDE = ("key", "key_prefix", "enqueue_ttl", "on_duplicate")
+PUBLISH_SIDE = (
+    "key",
+    "key_prefix",
+    "enqueue_ttl",
+    "on_duplicate",
+    "debounce",
+    "debounce_max_wait",
+    "keep",
+    "period",
+)
 
 #: Set on a task class (``SingletonTask``) or a wrapped ``run`` that takes its own lock.
 GUARDED_ATTRIBUTE = "__redlock_guarded__"
@@ -132,11 +143,14 @@ def resolve(
         if value is None:
             unset.add(name)
     _check_mode(task, values, sources)
-    if "on_conflict" in unset and values["mode"] is Mode.UNTIL_AND_WHILE_EXECUTING:
+    if "on_conflict" in unset and values["mode"] in (Mode.UNTIL_AND_WHILE_EXECUTING, Mode.DEBOUNCE):
         # The one waiting copy usually reaches a free worker while the last
         # one runs; skipping it would drop the call every duplicate folded into.
         values["on_conflict"] = OnConflict.REQUEUE
     options = LockOptions(**values)
+    if keeps_newest(options):
+        options = _newest_call_waits(options, sources, unset)
+    check_window(options, sources.__getitem__)
     _check_requeue_delays(options, sources, unset)
     if queue is not None:
         _check_queue_entry(task.name, options, queue, queue_options)
@@ -165,6 +179,32 @@ def _check_mode(task: Any, values: dict[str, Any], sources: dict[str, str]) -> N
             f"works only with lock_mode='while_executing'; {task.name} has "
             f"{values['mode']} (from {sources['mode']})",
         )
+
+
+def _newest_call_waits(
+    options: LockOptions, sources: dict[str, str], unset: set[str]
+) -> LockOptions:
+    """Requeue the newest copy of a debounced or keep-latest call that meets a running one.
+
+    That copy carries every call it replaced: skipping or failing it would drop
+    them all and break the window's promise that the newest call runs. An
+    app-wide ``redlock_on_conflict`` (meant for the other windows) is therefore
+    not inherited, and a task or queue entry asking for anything but
+    ``"requeue"`` is refused.
+    """
+    source = sources["on_conflict"]
+    if "on_conflict" in unset or source == "redlock_on_conflict":
+        return dataclasses.replace(options, on_conflict=OnConflict.REQUEUE)
+    if options.on_conflict is not OnConflict.REQUEUE:
+        raise ConfigurationError(
+            source,
+            options.on_conflict.value,
+            f"must be 'requeue' with lock_mode={options.mode.value!r}"
+            f"{' and lock_keep=latest' if options.mode is Mode.UNTIL_AND_WHILE_EXECUTING else ''}: "
+            "the newest call meeting a running one waits; skipping or failing it would drop "
+            "every call it replaced",
+        )
+    return options
 
 
 def _check_requeue_delays(options: LockOptions, sources: dict[str, str], unset: set[str]) -> None:

@@ -14,6 +14,7 @@ from . import publish
 from .guard import called_inside, guarding
 from .guards import guard_for
 from .install import connect_worker
+from .newest import NewestGuard, publish_newest
 from .queues import locked_queue
 from .result import SingletonResult
 from .settings import (
@@ -47,8 +48,9 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         lock_max_requeues: Most requeues before the task fails.
         lock_key_prefix: Prefix of the lock keys.
         lock_mode: When the lock is held: ``"while_executing"``,
-            ``"until_executing"``, ``"until_executed"`` or
-            ``"until_and_while_executing"`` (see docs/modes.md).
+            ``"until_executing"``, ``"until_executed"``,
+            ``"until_and_while_executing"``, ``"debounce"`` or
+            ``"until_expired"`` (see docs/modes.md).
         lock_on_duplicate: In an enqueue mode, what ``apply_async`` does when a
             copy is already enqueued: ``"return_existing"`` or ``"raise"``.
         lock_enqueue_ttl: Seconds an enqueue lock lasts beyond the countdown/eta.
@@ -59,6 +61,14 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             ``"100/m"``, ``"20/s"``, ``"5/h"``, ``"10/5s"`` (see docs/limits.md).
         lock_rate_key: Argument names or ``(args, kwargs) -> str`` making the
             rate key; ``None``: the same arguments as the lock key.
+        lock_debounce: ``lock_mode="debounce"``: seconds of quiet after a
+            burst's last call; the task then runs once, with its arguments.
+        lock_debounce_max_wait: ``lock_mode="debounce"``: the longest a burst
+            waits from its first call.
+        lock_keep: ``"first"`` (default) or ``"latest"``: with
+            ``until_and_while_executing``, a new call replaces the waiting copy.
+        lock_period: ``lock_mode="until_expired"``: seconds during which an
+            accepted call refuses its duplicates, finished or not.
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -76,6 +86,10 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_limit: ClassVar[int | None] = None
     lock_rate: ClassVar[str | None] = None
     lock_rate_key: ClassVar[KeySpec] = None
+    lock_debounce: ClassVar[float | None] = None
+    lock_debounce_max_wait: ClassVar[float | None] = None
+    lock_keep: ClassVar[str | None] = None
+    lock_period: ClassVar[float | None] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True
@@ -160,6 +174,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         def send(args: Any, kwargs: Any, task_id: str, options: dict[str, Any]) -> Any:
             return super(SingletonTask, self).apply_async(args, kwargs, task_id, **options)
 
+        if isinstance(guard, NewestGuard):
+            return publish_newest(guard, send, args, kwargs, task_id, options)
         return publish.apply_async(guard, send, args, kwargs, task_id, options)
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> SingletonResult:  # noqa: N802  # Celery's name

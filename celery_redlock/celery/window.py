@@ -34,6 +34,7 @@ from .messages import CONTINUES_HEADER, REQUEUES_HEADER, RESERVATION_HEADER, hea
 __all__ = [
     "UNTIL_EXECUTED",
     "UNTIL_EXECUTING",
+    "UNTIL_EXPIRED",
     "EnqueueGuard",
     "HandoverLock",
     "hand_over_at_end",
@@ -49,6 +50,8 @@ T = TypeVar("T")
 UNTIL_EXECUTING = "until_executing"
 #: The window whose reservation becomes the execution lock (same key).
 UNTIL_EXECUTED = "until_executed"
+#: The window whose reservation lasts its period, whatever the worker does.
+UNTIL_EXPIRED = "until_expired"
 
 # Leases of until_executed attempts that published their own retry: when the
 # attempt ends, its lock becomes the retry's reservation (value, monotonic
@@ -61,9 +64,12 @@ def reservation_key(mode: str, key: str) -> str:
 
     ``until_executed`` reserves the lock key itself: the reservation becomes
     the execution lock. The other modes reserve a sibling in the same hash
-    slot, so a copy can be queued while another runs.
+    slot, so a copy can be queued while another runs; ``until_expired`` a
+    sibling that only its period ends.
     """
-    return key if mode == UNTIL_EXECUTED else f"{key}:queued"
+    if mode == UNTIL_EXECUTED:
+        return key
+    return f"{key}:period" if mode == UNTIL_EXPIRED else f"{key}:queued"
 
 
 def hand_over_at_end(lease: Lease, value: str, ttl_ms: int) -> None:
@@ -161,7 +167,12 @@ class EnqueueGuard(TaskGuard):
         return self.store.client
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
-        """Run ``body`` in this mode's window, or resolve the conflict (see :class:`TaskGuard`)."""
+        """Run ``body`` in this mode's window, or resolve the conflict (see :class:`TaskGuard`).
+
+        ``until_expired`` costs the worker nothing: only the period ends its window.
+        """
+        if self.options.mode == UNTIL_EXPIRED:
+            return body()
         if self.options.mode != UNTIL_EXECUTING:
             return super().run(args, kwargs, body)
         return self._dequeued(self._call(args, kwargs), body)

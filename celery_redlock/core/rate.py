@@ -8,7 +8,10 @@ until the oldest start that matters leaves the window. There is no fixed window,
 so no burst of ``2 * limit`` at a boundary: every interval of ``window`` length
 holds at most ``limit`` starts. A second key in the same hash slot holds a
 "blocked until" time, set by :meth:`RateLimiter.back_off` (an upstream asked to
-slow down); while it lies ahead, every call of the key is refused until then.
+slow down); while it lies ahead, every call of the key is refused until then. A
+third one records the rate the callers use (``"<limit> <window ms>"``), renewed
+by admissions so that it outlives the log (by at most a window), so an
+operator's view can tell ``used/limit`` without knowing the callers' options.
 
 Times come from the Redis server (``TIME``), so workers on hosts with different
 clocks share one.
@@ -33,7 +36,11 @@ __all__ = [
     "RateLimiter",
     "RateVerdict",
     "backoff_key",
+    "new_member",
     "parse_rate",
+    "rate_keys_of",
+    "rate_spec_key",
+    "verdict_of",
 ]
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
@@ -88,6 +95,11 @@ def backoff_key(key: str) -> str:
     return f"{key}:backoff"
 
 
+def rate_spec_key(key: str) -> str:
+    """The key recording the rate a rate key's callers use (``"<limit> <window ms>"``)."""
+    return f"{key}:spec"
+
+
 @dataclass(frozen=True)
 class RateVerdict:
     """The answer of one rate check.
@@ -121,6 +133,9 @@ def _rate_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #
 # KEYS[1]  the window's log: sorted set, member -> start time (server ms)
 # KEYS[2]  the back-off key: "blocked until" in server ms (same hash slot)
+# KEYS[3]  the spec key: "<limit> <window ms>", for the operator's view (same slot);
+#          rewritten (for two windows) only when it has less than a window left,
+#          so it outlives the log, and a changed rate shows within a window
 # ARGV[1]  limit: starts allowed per window
 # ARGV[2]  window in milliseconds
 # ARGV[3]  member: unique per call
@@ -150,6 +165,9 @@ end
 if used < limit then
   redis.call('ZADD', KEYS[1], now, ARGV[3])
   redis.call('PEXPIRE', KEYS[1], window)
+  if redis.call('PTTL', KEYS[3]) < window then
+    redis.call('SET', KEYS[3], ARGV[1] .. ' ' .. ARGV[2], 'PX', 2 * window)
+  end
   return {1, now, used + 1}
 end
 local oldest = redis.call('ZRANGE', KEYS[1], used - limit, used - limit, 'WITHSCORES')
@@ -215,6 +233,24 @@ return {used, wait, blocked}
 )
 
 
+def rate_keys_of(key: str) -> tuple[str, str, str]:
+    """The KEYS of :data:`RATE_ACQUIRE` for rate key ``key`` (one hash slot)."""
+    return (key, backoff_key(key), rate_spec_key(key))
+
+
+def new_member(call_id: str | None) -> str:
+    """A call's entry in a rate key's log: its id (if any) and a random tail."""
+    return f"{call_id or ''}:{secrets.token_hex(6)}"
+
+
+def verdict_of(reply: Sequence[Any], rate: Rate, member: str) -> RateVerdict:
+    """Read :data:`RATE_ACQUIRE`'s reply (shared by the asyncio limiter)."""
+    status, value, used = (int(part) for part in reply)
+    if status == 1:
+        return RateVerdict(True, 0.0, used, rate.limit, at_ms=value, member=member)
+    return RateVerdict(False, value / 1000, used, rate.limit, backed_off=status == 2)
+
+
 class RateLimiter:
     """Admits calls to rate keys on one Redis (one server, Sentinel's master, or a Cluster).
 
@@ -226,6 +262,7 @@ class RateLimiter:
     def __init__(self, client: Any, rate: Rate) -> None:
         self.client = client
         self.rate = rate
+        self.args = (rate.limit, rate.window_ms)
 
     def acquire(self, key: str, call_id: str | None = None) -> RateVerdict:
         """Admit a call to ``key`` now, or say how long until it can be: one round trip.
@@ -233,15 +270,9 @@ class RateLimiter:
         Raises:
             redis.exceptions.RedisError: When the store fails.
         """
-        member = f"{call_id or ''}:{secrets.token_hex(6)}"
-        rate = self.rate
-        reply = RATE_ACQUIRE(
-            self.client, (key, backoff_key(key)), (rate.limit, rate.window_ms, member, "0")
-        )
-        status, value, used = (int(part) for part in reply)
-        if status == 1:
-            return RateVerdict(True, 0.0, used, rate.limit, at_ms=value, member=member)
-        return RateVerdict(False, value / 1000, used, rate.limit, backed_off=status == 2)
+        member = new_member(call_id)
+        reply = RATE_ACQUIRE(self.client, rate_keys_of(key), (*self.args, member, "0"))
+        return verdict_of(reply, self.rate, member)
 
     def refund(self, key: str, verdict: RateVerdict) -> None:
         """Take back an admission whose call did not start (raises ``RedisError``)."""
@@ -264,8 +295,5 @@ class RateLimiter:
 
     def usage(self, key: str) -> tuple[int, float, float]:
         """``(used, seconds until a slot frees, seconds of back-off left)`` of ``key``."""
-        rate = self.rate
-        used, wait, blocked = RATE_USAGE(
-            self.client, (key, backoff_key(key)), (rate.limit, rate.window_ms)
-        )
+        used, wait, blocked = RATE_USAGE(self.client, (key, backoff_key(key)), self.args)
         return int(used), int(wait) / 1000, int(blocked) / 1000

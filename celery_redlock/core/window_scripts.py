@@ -11,7 +11,23 @@ from __future__ import annotations
 
 from .lua import Script
 
-__all__ = ["CANCEL_RESERVE", "DEQUEUE", "HANDOVER", "RESERVE"]
+__all__ = ["CANCEL_RESERVE", "DEQUEUE", "DRAW_FENCE", "HANDOVER", "RESERVE"]
+
+#: Lua drawing the next fence of a lock just taken: ``INCR`` of the fence key
+#: (``KEYS[2]``), seeded from the server clock when the key was gone so fences
+#: still rise after it expired, and kept ``ARGV[3]`` ms from this use. Every
+#: script that takes an execution lock from a reservation or a generation
+#: draws it this way, so the fences of one key rise whichever script took it.
+#: Leaves the fence in the local ``fence``.
+DRAW_FENCE = """local fence = redis.call('INCR', KEYS[2])
+if fence == 1 then
+  local now = redis.call('TIME')
+  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
+else
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+"""
 
 # Enqueue lock: reserve a call's key before its message is published.
 #
@@ -122,14 +138,8 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if found == 1 and KEYS[3] ~= KEYS[1] then
   redis.call('DEL', KEYS[3])
 end
-local fence = redis.call('INCR', KEYS[2])
-if fence == 1 then
-  local now = redis.call('TIME')
-  fence = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', ARGV[3])
-else
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-return {1, fence, found}
+"""
+    + DRAW_FENCE
+    + """return {1, fence, found}
 """,
 )

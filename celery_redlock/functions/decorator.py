@@ -19,11 +19,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from celery_redlock.calls.decisions import rate_keys
 from celery_redlock.calls.guarded import run_guarded
-from celery_redlock.calls.options import check_choice, validate
+from celery_redlock.calls.options import LockOptions, Mode, check_choice, validate
 from celery_redlock.core.admission import admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
+from celery_redlock.core.rate import Rate, RateLimiter
 
 from .calls import CallOptions, FunctionGuard
 from .clients import ClientResolver, ClientSource
@@ -46,7 +48,25 @@ def _non_negative(setting: str, value: Any, *, allow_none: bool) -> float | None
     return float(value)
 
 
-# long because: its docstring documents each of its twelve options; the logic is short
+def _period(mode: str, period: Any) -> float | None:
+    """The period of ``mode="until_expired"``; refuse the windows a direct call cannot have."""
+    window: Mode = validate("mode", mode)
+    if window not in (Mode.WHILE_EXECUTING, Mode.UNTIL_EXPIRED):
+        raise ConfigurationError(
+            "mode",
+            window.value,
+            "a decorated function runs when called: only 'while_executing' and "
+            "'until_expired' apply (debounce and the enqueue windows need a queue: "
+            "a Celery task or an RQ job)",
+        )
+    period = validate("period", period)
+    if (period is None) != (window is Mode.WHILE_EXECUTING):
+        why = "mode='until_expired' needs it" if period is None else "needs mode='until_expired'"
+        raise ConfigurationError("period", period, why)
+    return period  # type: ignore[no-any-return]
+
+
+# long because: its docstring documents each of its sixteen options; the logic is short
 def singleton(
     func: F | None = None,
     *,
@@ -62,6 +82,10 @@ def singleton(
     key_prefix: str = "redlock",
     name: str | None = None,
     limit: int = 1,
+    rate: str | Rate | None = None,
+    rate_key: KeySpec = None,
+    mode: str = "while_executing",
+    period: float | None = None,
 ) -> Any:
     """Run the decorated function under a Redis lock keyed by its arguments.
 
@@ -94,6 +118,21 @@ def singleton(
             1 each call takes a permit of a :class:`celery_redlock.Semaphore`;
             the call beyond the limit skips, raises, or waits its turn (first
             come, first served) as ``on_conflict`` says.
+        rate: At most this many starts per window and rate key: ``"100/m"``,
+            ``"20/s"``, ``"5/h"`` or ``"10/5s"`` (an exact sliding window; see
+            docs/limits.md). Over it, ``on_conflict`` applies: ``"skip"``
+            returns ``skipped``, ``"raise"`` raises :class:`RateLimited`
+            (``retry_after`` says when a slot frees), ``"wait"`` sleeps exactly
+            until a slot frees and tries again, within ``wait_timeout``.
+        rate_key: Which arguments make the rate key (as ``key``); ``None``:
+            the same as the lock key.
+        mode: ``"while_executing"`` (default: the lock lasts the call) or
+            ``"until_expired"``: an accepted call holds its key for ``period``
+            seconds, finished or not, and duplicates meanwhile skip, raise or
+            wait. The windows that need a queue (``"debounce"``, the enqueue
+            windows, keeping the latest) make no sense for a direct call,
+            which runs now: they are refused.
+        period: Seconds of ``mode="until_expired"``.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -113,6 +152,10 @@ def singleton(
             key_prefix=key_prefix,
             name=name,
             limit=limit,
+            rate=rate,
+            rate_key=rate_key,
+            mode=mode,
+            period=period,
         )
     if not callable(func):
         raise ConfigurationError("func", func, "singleton decorates a function")
@@ -125,32 +168,45 @@ def singleton(
         on_redis_error=check_choice("on_redis_error", on_redis_error, REDIS_ERROR_ACTIONS),
         skipped=skipped,
         limit=validate("limit", limit),
+        rate=validate("rate", rate),
+        period=_period(mode, period),
     )
     if options.name and ("{" in options.name or "}" in options.name):
         raise ConfigurationError("name", options.name, "must not contain braces")
-    keys = KeyBuilder(
-        options.name,
-        func,
-        validate("key", key),
-        validate("key_prefix", key_prefix),
+    spec = LockOptions(
+        key=validate("key", key),
+        key_prefix=validate("key_prefix", key_prefix),
+        rate=options.rate,
+        rate_key=validate("rate_key", rate_key),
     )
+    keys = KeyBuilder(options.name, func, spec.key, spec.key_prefix, option="key")
+    limits = rate_keys(options.name, func, spec, option="rate_key", key_option="key")
     is_async = inspect.iscoroutinefunction(func)
     clients = ClientResolver(client, url)
     if is_async:
         from .coroutine import wrap_async
 
-        wrapper = wrap_async(func, options, keys, clients)
+        wrapper = wrap_async(func, options, keys, clients, limits)
     else:
-        wrapper = _wrap_sync(func, options, keys, clients)
+        wrapper = _wrap_sync(func, options, keys, clients, limits)
     wrapper.lock_key_for = lambda *args, **kwargs: keys.key_for(args, kwargs)  # type: ignore[attr-defined]
     return wrapper
 
 
-def _wrap_sync(func: F, options: CallOptions, keys: KeyBuilder, clients: ClientResolver) -> F:
+def _wrap_sync(
+    func: F,
+    options: CallOptions,
+    keys: KeyBuilder,
+    clients: ClientResolver,
+    limits: KeyBuilder | None,
+) -> F:
+    limiter = RateLimiter if limits is not None else None
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        call = options.call(keys.key_for(args, kwargs))
-        guard = FunctionGuard(options, admission_lock, clients.get())
+        rate_key = limits.key_for(args, kwargs) if limits is not None else None
+        call = options.call(keys.key_for(args, kwargs), rate_key)
+        guard = FunctionGuard(options, admission_lock, clients.get(), limiter)
         return run_guarded(guard, call, lambda: func(*args, **kwargs))
 
     return cast(F, wrapper)

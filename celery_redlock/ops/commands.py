@@ -6,6 +6,7 @@ its own. Every deletion is a compare-and-delete of the value just read, so a
 lock that changed hands in between is never deleted by mistake. A semaphore
 (``lock_limit`` above 1) is listed and shown permit by permit, and ``release
 --permit TOKEN`` frees one permit (a compare-and-delete of that permit only).
+Rate keys in use are listed and shown with ``used/limit`` (see :mod:`.rates`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .holders import Liveness, ReleaseOutcome, holder_liveness
 from .holders import ttl_text as _ttl
 from .holders import when as _when
 from .permits import delete_permit, describe_semaphore, permit_row, release_permit_checked
+from .rates import RATE_HEADER, describe_rate, find_rate_keys, rate_row, read_rate_key
 
 __all__ = [
     "COMMANDS",
@@ -128,15 +130,31 @@ def list_locks(
     as_json: bool,
     **kwargs: Any,
 ) -> None:
-    """List the held task locks: holder, worker, acquired at, TTL left, renewals, fence."""
+    """List the held task locks and the rate keys in use.
+
+    A lock (or each permit of a semaphore): holder, worker, pid, acquired at,
+    TTL left, renewals, fence. A rate key: used/limit, window, time until a
+    slot frees, back-off left.
+    """
     app = _app(ctx)
     locks = _find(app, _prefixes(app, prefixes), task, queue)
+    # A rate key has no holder, so no queue: a queue filter leaves them out.
+    rates = [] if queue else find_rate_keys(_clients(app), _prefixes(app, prefixes), task)
     if as_json:
-        _dump([info.as_dict() for info in locks])
+        _dump([info.as_dict() for info in locks] + [info.as_dict() for info in rates])
         return
-    if not locks:
+    if not locks and not rates:
         click.echo("no locks held")
         return
+    if locks:
+        _table(_lock_rows(locks))
+        click.echo(f"{len(locks)} lock(s)")
+    if rates:
+        _table([RATE_HEADER, *(rate_row(info) for info in rates)])
+        click.echo(f"{len(rates)} rate key(s)")
+
+
+def _lock_rows(locks: Sequence[LockInfo]) -> list[list[str]]:
     rows = [["TASK", "HOLDER", "NODE", "PID", "ACQUIRED (UTC)", "TTL", "RENEWALS", "FENCE", "KEY"]]
     for info in locks:
         if info.permits is not None:
@@ -156,8 +174,7 @@ def list_locks(
                 info.key,
             ]
         )
-    _table(rows)
-    click.echo(f"{len(locks)} lock(s)")
+    return rows
 
 
 def _describe(info: LockInfo) -> list[tuple[str, str]]:
@@ -200,12 +217,18 @@ def _read_one(app: Any, key: str) -> LockInfo:
 @json_option
 @click.pass_context
 def show(ctx: click.Context, /, key: str, as_json: bool, **kwargs: Any) -> None:
-    """Show one lock in full; exit 1 if KEY holds no task lock."""
-    info = _read_one(_app(ctx), key)
+    """Show one lock, semaphore or rate key in full; exit 1 if KEY holds none."""
+    app = _app(ctx)
+    rate = read_rate_key(_clients(app), key)
+    info = _read_one(app, key) if rate is None else None
     if as_json:
-        _dump(info.as_dict())
+        _dump(rate.as_dict() if rate is not None else info.as_dict())  # type: ignore[union-attr]
         return
-    lines = describe_semaphore(info) if info.permits is not None else _describe(info)
+    if rate is not None:
+        lines = describe_rate(rate)
+    else:
+        assert info is not None
+        lines = describe_semaphore(info) if info.permits is not None else _describe(info)
     width = max(len(label) for label, _ in lines)
     for label, value in lines:
         click.echo(f"{label.ljust(width)}  {value}")

@@ -7,6 +7,15 @@ Celery. Importing it needs ``rq`` (``pip install celery-redlock[rq]``).
 
 from __future__ import annotations
 
-from .jobs import CONFLICT_ACTIONS, REQUEUES_META, SKIP_META, enqueue_once, singleton_job
+from .enqueue import enqueue_once
+from .jobs import CONFLICT_ACTIONS, REQUEUES_META, SKIP_META, singleton_job
+from .windows import SUPERSEDED_META
 
-__all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
+__all__ = [
+    "CONFLICT_ACTIONS",
+    "REQUEUES_META",
+    "SKIP_META",
+    "SUPERSEDED_META",
+    "enqueue_once",
+    "singleton_job",
+]

@@ -9,9 +9,12 @@ exists; it takes no lock while a job runs, renews nothing and has no fence. Here
   :class:`LockNotAcquired`, or is requeued through RQ's own scheduling: it
   returns an RQ ``Retry`` with an exponential, jittered backoff, so the worker
   puts the same job (same id) in the scheduled registry. Requeues need a worker
-  started with ``--with-scheduler`` and RQ >= 2.3.
-* :func:`enqueue_once` enqueues a call unless an identical one (same lock key)
-  is already queued, scheduled or running, and then returns that job instead.
+  started with ``--with-scheduler`` and RQ >= 2.3. With ``rate=`` a run is
+  first admitted by its rate key's sliding window; one over it is rescheduled
+  the same way, to when a slot frees (not counted as a requeue).
+* :func:`~celery_redlock.rq.enqueue.enqueue_once` enqueues a call unless an
+  identical one (same lock key) is already queued, scheduled or running, and
+  then returns that job instead.
 
 The lock lives on the worker's own Redis connection unless ``client=`` names
 another. Importing this module needs ``rq`` (``pip install celery-redlock[rq]``).
@@ -23,14 +26,12 @@ import functools
 import logging
 import math
 import random
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from redis.exceptions import RedisError
-from rq import Queue, Retry, get_current_job
-from rq.exceptions import NoSuchJobError
+from rq import Retry, get_current_job
 from rq.job import Job
 from rq.version import VERSION as RQ_VERSION
 
@@ -38,8 +39,13 @@ from celery_redlock.calls.decisions import (
     Decision,
     decide,
     gave_up,
+    log_rate_limited,
     log_store_failure,
     not_acquired,
+    rate_action,
+    rate_countdown,
+    rate_keys,
+    rate_limited,
     requeue_countdown,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
@@ -54,7 +60,11 @@ from celery_redlock.core.admission import AdmissionLock, admission_lock
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.keys import KeyBuilder, KeySpec
-from celery_redlock.core.lua import Script
+from celery_redlock.core.rate import Rate, RateLimiter, RateVerdict
+
+# enqueue_once lived here; kept importable from its old place.
+from .enqueue import enqueue_once
+from .windows import newest_lock, retired
 
 __all__ = ["CONFLICT_ACTIONS", "REQUEUES_META", "SKIP_META", "enqueue_once", "singleton_job"]
 
@@ -71,48 +81,8 @@ REQUEUES_META = "x_redlock_requeues"
 #: ``job.meta`` entry describing why a run was skipped.
 SKIP_META = "x_redlock_skipped"
 
-# Job statuses after which a job will not run again by itself.
-_DONE = ("finished", "failed", "stopped", "canceled")
 
-# Claim the enqueue marker of a lock key, unless it names a live job.
-#
-# KEYS[1]  marker key (the lock key + ":enqueued")
-# ARGV[1]  id of the job the caller is about to enqueue
-# ARGV[2]  key prefix of RQ job hashes ("rq:job:")
-# ARGV[3]  marker lifetime in milliseconds
-# ARGV[4]  grace in milliseconds: a claimed id whose job hash does not exist
-#          yet counts as being enqueued for this long
-# Returns  the id of the live job to reuse, or nil when the marker now names ARGV[1].
-#
-# The marker value is "<job id>|<claim time in ms>". Job hashes are read by a
-# key built here, which Redis Cluster would refuse; RQ does not run on Cluster.
-CLAIM = Script(
-    "rq_enqueue_claim",
-    """
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-local current = redis.call('GET', KEYS[1])
-if current then
-  local id, claimed = string.match(current, '^(.*)|(%d+)$')
-  if id then
-    local status = redis.call('HGET', ARGV[2] .. id, 'status')
-    if status then
-      if status ~= 'finished' and status ~= 'failed' and status ~= 'stopped'
-          and status ~= 'canceled' then
-        return id
-      end
-    elseif now_ms - tonumber(claimed) < tonumber(ARGV[4]) then
-      return id
-    end
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1] .. '|' .. string.format('%d', now_ms), 'PX', ARGV[3])
-return false
-""",
-)
-
-
-# long because: its docstring documents each of its thirteen options; the logic is short
+# long because: its docstring documents each of its fifteen options; the logic is short
 def singleton_job(
     func: F | None = None,
     *,
@@ -129,6 +99,8 @@ def singleton_job(
     name: str | None = None,
     client: Any = None,
     limit: int = 1,
+    rate: str | Rate | None = None,
+    rate_key: KeySpec = None,
 ) -> Any:
     """Run each execution of an RQ job function under a lock keyed by its arguments.
 
@@ -155,6 +127,13 @@ def singleton_job(
             takes a permit of a :class:`celery_redlock.Semaphore`, and the run
             beyond the limit meets ``on_conflict``; a job meeting a permit of
             its own earlier run (same job id) waits for it, never skips.
+        rate: At most this many starts per window and rate key (``"100/m"``,
+            ``"20/s"``, ``"10/5s"``; an exact sliding window, see docs/limits.md).
+            A run over it is skipped, fails with :class:`RateLimited`, or under
+            ``"requeue"`` is rescheduled by RQ to when a slot frees (plus
+            jitter, rounded up to whole seconds), not counted in ``max_requeues``.
+        rate_key: Which arguments make the rate key (as ``key``); ``None``:
+            the same as the lock key.
 
     Raises:
         ConfigurationError: At decoration, for an invalid option, naming it.
@@ -175,6 +154,8 @@ def singleton_job(
             name=name,
             client=client,
             limit=limit,
+            rate=rate,
+            rate_key=rate_key,
         )
     job_name = name or f"{func.__module__}.{func.__qualname__}"
     if "{" in job_name or "}" in job_name:
@@ -192,6 +173,8 @@ def singleton_job(
         max_requeues=validate("max_requeues", max_requeues),
         key_prefix=validate("key_prefix", key_prefix),
         limit=validate("limit", limit),
+        rate=validate("rate", rate),
+        rate_key=validate("rate_key", rate_key),
     )
     if "requeue" in (options.on_conflict, options.on_redis_error) and not _returns_retry():
         raise ConfigurationError(
@@ -207,6 +190,7 @@ def singleton_job(
         return runner.run(args, kwargs)
 
     wrapper.lock_key_for = lambda *a, **kw: runner.keys.key_for(a, kw)  # type: ignore[attr-defined]
+    wrapper.__redlock_job__ = True  # type: ignore[attr-defined]  # retires superseded jobs
     return wrapper
 
 
@@ -230,7 +214,8 @@ class _JobRunner(Guard[Any]):
         self.options = options
         self.skipped = skipped
         self.client = client
-        self.keys = KeyBuilder(name, func, options.key, options.key_prefix)
+        self.keys = KeyBuilder(name, func, options.key, options.key_prefix, option="key")
+        self.rate_keys = rate_keys(name, func, options, option="rate_key", key_option="key")
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Run the job function once under its lock (directly when called outside a worker)."""
@@ -246,6 +231,8 @@ class _JobRunner(Guard[Any]):
             f"job {self.name}[{job_id}]",
             job,
         )
+        if self.rate_keys is not None:
+            call.rate_key = self.rate_keys.key_for(args, kwargs)
         return run_guarded(self, call, lambda: self.func(*args, **kwargs))
 
     def new_lock(self, call: Call) -> AdmissionLock:
@@ -253,17 +240,42 @@ class _JobRunner(Guard[Any]):
 
         The client is ``client=`` when given, else the worker's own connection.
         """
-        client = self.client if self.client is not None else _job_of(call).connection
-        return admission_lock(
-            client,
-            call.key,
-            limit=self.options.limit,
-            timeout=self.options.ttl,
-            blocking=False,
-            thread_local=False,
-            auto_renew=True,
-            label=call.label,
-        )
+        client = self._client(call)
+        options: dict[str, Any] = {"timeout": self.options.ttl, "blocking": False}
+        options.update(thread_local=False, auto_renew=True, label=call.label)
+        newest = newest_lock(_job_of(call, None), client, call.key, **options)
+        if newest is not None:  # enqueued by enqueue_once in a newest-call window
+            return newest
+        return admission_lock(client, call.key, limit=self.options.limit, **options)
+
+    def _client(self, call: Call) -> Any:
+        return self.client if self.client is not None else _job_of(call).connection
+
+    def rate_limiter(self, call: Call) -> RateLimiter:
+        """The run's rate limiter, on the lock's client."""
+        assert self.options.rate is not None
+        return RateLimiter(self._client(call), self.options.rate)
+
+    def rate_limited(self, call: Call, verdict: RateVerdict) -> Any:
+        """Over the rate: skip (``meta[SKIP_META]`` says why), reschedule with RQ, or raise.
+
+        The reschedule is RQ's own (a returned ``Retry``, the scheduled job
+        registry), to when a slot frees plus jitter, in whole seconds; it does
+        not count against ``max_requeues``.
+        """
+        job, rate = _job_of(call, None), self.options.rate
+        assert rate is not None and call.rate_key is not None
+        action = rate_action(self.options.on_conflict, can_requeue=job is not None)
+        log_rate_limited(call, rate, verdict, action, self.log)
+        if action == "skip":
+            if job is not None:
+                job.meta[SKIP_META] = {"key": call.rate_key, "reason": "rate"}
+                cast(Any, job).save_meta()  # untyped in RQ
+            return self.skipped
+        if action == "requeue":
+            delay = rate_countdown(self.options, verdict, random.random())
+            return _retry(job, delay)
+        raise rate_limited(call.label, call.rate_key, rate, verdict)
 
     def acquired(self, call: Call, lease: Any) -> None:
         """Log the acquisition (DEBUG)."""
@@ -285,6 +297,9 @@ class _JobRunner(Guard[Any]):
     def refused(self, call: Call, lock: Any) -> Any:
         """Skip (recording why in ``job.meta``), requeue with an RQ ``Retry``, or raise."""
         job, refusal = _job_of(call, None), lock.refusal
+        settled, outcome = retired(job, lock, call.key, self.skipped)
+        if settled:  # superseded by a newer job, or waiting for one
+            return outcome
         decision = decide(
             refusal,
             call.call_id,
@@ -324,9 +339,17 @@ class _JobRunner(Guard[Any]):
         delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         job.meta[REQUEUES_META] = attempt
         cast(Any, job).save_meta()  # untyped in RQ
-        # One more than the retries RQ has counted, so RQ never fails the job
-        # for running out: this module counts its own requeues in meta.
-        return Retry(max=(job.number_of_retries or 0) + 1, interval=max(1, math.ceil(delay)))
+        return _retry(job, delay)
+
+
+def _retry(job: Job, delay: float) -> Retry:
+    """The ``Retry`` that has RQ schedule ``job`` again in ``delay`` seconds (rounded up).
+
+    One more than the retries RQ has counted, so RQ never fails the job for
+    running out: this module counts its own requeues in meta. RQ schedules in
+    whole seconds; rounding up never brings a run back before its slot frees.
+    """
+    return Retry(max=(job.number_of_retries or 0) + 1, interval=max(1, math.ceil(delay)))
 
 
 class _JobCall(Call):
@@ -347,77 +370,3 @@ def _job_of(call: Call, default: Any = _MISSING) -> Any:
     if job is None and default is _MISSING:
         raise AssertionError(f"{call.label} runs outside an RQ job")
     return job if job is not None else default
-
-
-# long because: most of it is the docstring of its options and guarantees
-def enqueue_once(
-    queue: Queue,
-    func: Callable[..., Any],
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    marker_ttl: float = 86400.0,
-    grace: float = 10.0,
-    **enqueue_options: Any,
-) -> Job:
-    """Enqueue ``func(*args, **kwargs)`` unless an identical call is queued or running.
-
-    Two calls are identical when they have the same lock key: for a
-    :func:`singleton_job` function its own key options, otherwise all arguments.
-    A job that is queued, scheduled (for instance requeued by its lock),
-    deferred or started counts; a finished, failed, stopped or canceled one does
-    not. The check and the claim are one atomic script, so concurrent callers
-    get one job between them.
-
-    Args:
-        queue: The RQ queue.
-        func: The job function.
-        args: Its positional arguments.
-        kwargs: Its keyword arguments.
-        marker_ttl: Seconds the enqueue marker lives; a job still queued after
-            that no longer deduplicates.
-        grace: Seconds a claimed job id counts as being enqueued before its job
-            hash exists (covers the caller between claim and enqueue).
-        **enqueue_options: Passed to ``Queue.enqueue_call`` (``job_timeout`` as
-            ``timeout``, ``result_ttl``, ``meta``...); not ``job_id``.
-
-    Returns:
-        The new job, or the live identical one.
-
-    Raises:
-        ConfigurationError: If ``enqueue_options`` sets ``job_id``.
-    """
-    if "job_id" in enqueue_options:
-        raise ConfigurationError("job_id", enqueue_options["job_id"], "enqueue_once picks the id")
-    kwargs = dict(kwargs or {})
-    key_for = getattr(func, "lock_key_for", None)
-    if key_for is None:
-        name = f"{func.__module__}.{func.__qualname__}"
-        key_for = functools.partial(_default_key, KeyBuilder(name, func, None, "redlock"))
-    marker = f"{key_for(*args, **kwargs)}:enqueued"
-    prefix = queue.job_class.key_for("")
-    deadline = time.monotonic() + grace + 1.0
-    while True:
-        new_id = uuid.uuid4().hex
-        existing = CLAIM(
-            queue.connection,
-            (marker,),
-            (new_id, prefix, int(marker_ttl * 1000), int(grace * 1000)),
-        )
-        if existing is None:
-            return queue.enqueue_call(
-                func, args=tuple(args), kwargs=kwargs, job_id=new_id, **enqueue_options
-            )
-        existing_id = existing.decode() if isinstance(existing, bytes) else str(existing)
-        try:
-            return queue.job_class.fetch(existing_id, connection=queue.connection)
-        except NoSuchJobError:
-            # Claimed by a caller that is enqueueing it right now (or died
-            # doing so, and the claim lapses after the grace): look again.
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-
-
-def _default_key(keys: KeyBuilder, *args: Any, **kwargs: Any) -> str:
-    return keys.key_for(args, kwargs)

@@ -23,7 +23,6 @@ from celery import signals as celery_signals
 from celery.exceptions import Reject
 
 from celery_redlock import SingletonTask, current_lock
-from celery_redlock.calls.options import MODES
 from celery_redlock.celery import signals
 from tests.celery_harness import UnlockedLease, record_execution, wait_for_gate
 
@@ -40,6 +39,8 @@ __all__ = [
 ]
 
 DUPLICATE_POLICIES = ("return_existing", "raise")
+#: The windows that keep the first call (the others are in tests.celery_apps.windows).
+MODES = ("while_executing", "until_executing", "until_executed", "until_and_while_executing")
 GATE_TIMEOUT = 30.0
 #: Retry countdown of each ``modes.retry_first.<mode>`` task, in seconds.
 RETRY_FIRST = {"until_executing": 0.5, "until_and_while_executing": 2.5}

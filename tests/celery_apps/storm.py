@@ -44,7 +44,7 @@ import redis
 from celery import Celery, Task, bootsteps
 
 from celery_redlock import SingletonTask, current_lock, install
-from tests.celery_apps import limits, modes, rates
+from tests.celery_apps import limits, modes, rates, windows
 from tests.celery_harness import HistoryRecorder, UnlockedLease, record_execution, wait_for_gate
 
 __all__ = ["GATE_TIMEOUT", "create_app", "environment"]
@@ -143,6 +143,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     modes.register(app)
     limits.register(app)
     rates.register(app)
+    windows.register(app)
     app.steps["consumer"].add(WakeUp)
     return app
 

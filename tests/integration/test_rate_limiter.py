@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from celery_redlock.core.rate import RATE_ACQUIRE, Rate, RateLimiter, backoff_key
+from celery_redlock.core.rate import RATE_ACQUIRE, Rate, RateLimiter, backoff_key, rate_keys_of
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -100,7 +100,7 @@ def test_back_off_ends(r):
 
 def test_a_resent_admission_finds_its_own_entry(r):
     """After a lost reply the resend is admitted by the first send's entry, not counted twice."""
-    keys = ("rate:{re}", backoff_key("rate:{re}"))
+    keys = rate_keys_of("rate:{re}")
     first = RATE_ACQUIRE(r, keys, (1, 60_000, "m1", "0"))
     again = RATE_ACQUIRE(r, keys, (1, 60_000, "m1", "1"))
     assert first[0] == 1 and again[0] == 1 and again[1] == first[1]

@@ -13,7 +13,7 @@ import time
 import redis
 from rq import get_current_job
 
-from celery_redlock import current_lock
+from celery_redlock import current_lock, current_rate
 from celery_redlock.rq import singleton_job
 
 RUNS = "jobs:runs"
@@ -137,4 +137,21 @@ def limited(item, seconds=0.3):
     connection.decr(LIMITED_HOLDERS)
     end = time.time()
     connection.rpush(LIMITED_LOG, f"{start}:{end}:{holders}:{lease.fence}:{lease.slot}")
+    return item
+
+
+#: The server times (ms) at which ``rated`` runs were admitted.
+RATED_LOG = "jobs:rated"
+
+
+@singleton_job(ttl=5, key="item", rate="2/2s", rate_key=[], on_conflict="requeue")
+def rated(item):
+    """Record the server time of this run's admission to the shared rate key (2 per 2 s)."""
+    _connection().rpush(RATED_LOG, current_rate().verdict.at_ms)
+    return item
+
+
+@singleton_job(ttl=5, key="item", rate="1/m", rate_key=[], skipped="SKIPPED")
+def rated_or_skipped(item):
+    """One run a minute across every item; the others are skipped."""
     return item

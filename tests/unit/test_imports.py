@@ -26,7 +26,7 @@ PACKAGE = Path(celery_redlock.__file__).parent
 FRAMEWORKS = ("celery", "kombu")
 
 #: Top-level names that are the Celery integration; every other one is not.
-CELERY_NAMES = ("SKIPPED", "SingletonTask", "install")
+CELERY_NAMES = ("SKIPPED", "SUPERSEDED", "SingletonTask", "install")
 
 #: Modules whose import does something on purpose, and why.
 IMPORTED_FOR_EFFECT = {

@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_redlock import ConfigurationError, SingletonTask
-from celery_redlock.calls.decisions import rate_countdown
+from celery_redlock.calls.decisions import rate_action, rate_countdown, rate_wait
 from celery_redlock.calls.options import LockOptions, validate
 from celery_redlock.core.rate import Rate, RateVerdict, parse_rate
 
@@ -116,3 +116,26 @@ def test_rate_keys_follow_lock_rate_key():
     assert keys.key_for((7,), {"page": 1}) == keys.key_for((7,), {"page": 2})
     assert keys.key_for((7,), {}) != keys.key_for((8,), {})
     assert keys.key_for((7,), {}).startswith("redlock:rate:v1:{rates.call:")
+
+
+@pytest.mark.parametrize(
+    ("on_conflict", "can_requeue", "action"),
+    [
+        ("skip", True, "skip"),
+        ("requeue", True, "requeue"),
+        ("requeue", False, "raise"),
+        ("raise", True, "raise"),
+        ("wait", True, "wait"),
+    ],
+)
+def test_a_call_over_its_rate_follows_on_conflict(on_conflict, can_requeue, action):
+    """Every integration reads the same answer; a call that cannot be requeued raises."""
+    assert rate_action(on_conflict, can_requeue) == action
+
+
+def test_a_waiting_call_sleeps_exactly_the_wait_within_its_timeout():
+    """The wait is the verdict's; one that would end past the timeout is not begun."""
+    verdict = RateVerdict(False, 0.75, 2, 2)
+    assert rate_wait(verdict, waited=0.0, timeout=None) == 0.75
+    assert rate_wait(verdict, waited=0.2, timeout=1.0) == 0.75
+    assert rate_wait(verdict, waited=0.3, timeout=1.0) is None

@@ -25,6 +25,7 @@ from .activity import MINUTES, collect, per_minute
 from .chart import line_chart
 from .dashboard import dashboard
 from .detail import read_copies, read_detail
+from .limits import read_limits
 from .listing import Cursor, Filters, read_page
 from .metrics import metrics_body
 
@@ -98,9 +99,11 @@ def locks() -> str:
         text=request.args.get("key", "").strip(),
     )
     cursor = Cursor.decode(request.args.get("cursor"))
-    error, rows, next_url = None, [], None
+    error, rows, next_url, limits = None, [], None, None
     try:
         page = read_page(dash.nodes(), dash.prefixes(), filters, cursor, dash.page_size)
+        if cursor == Cursor():  # semaphores and rate keys: on the first page
+            limits = read_limits(dash.nodes(), dash.prefixes(), filters, dash.page_size)
     except RedisError as exc:
         error = f"the lock store failed: {exc!r}"
     else:
@@ -117,6 +120,7 @@ def locks() -> str:
         next_url=next_url,
         first_page=cursor == Cursor(),
         refresh=_refresh(),
+        limits=limits,
     )
 
 

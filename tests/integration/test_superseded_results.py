@@ -1,0 +1,74 @@
+"""``get()`` on a ``SUPERSEDED`` result, against a real result backend (db 9 of the shared Redis).
+
+States are written straight into the backend, as workers write them, so the
+shapes a worker can leave behind (a chain of replacements, two copies naming
+each other for a moment, a replacement that is never named) are set up
+without timing. Task ids are fresh uuids, so nothing meets another test's
+records; each test deletes its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+from celery.exceptions import TimeoutError as ResultTimeout
+
+from celery_redlock import SUPERSEDED, DuplicateSkipped
+from celery_redlock.celery.result import SingletonResult
+from tests.celery_harness import REDIS_URL
+
+_ids: list[str] = []
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    """An app whose result backend is db 9; it publishes nothing."""
+    app = Celery("superseded", broker="memory://", backend=REDIS_URL, set_as_current=False)
+    yield app
+    for task_id in _ids:
+        app.backend.forget(task_id)
+    _ids.clear()
+    app.close()
+
+
+def _id(name: str) -> str:
+    _ids.append(f"{name}-{uuid.uuid4()}")
+    return _ids[-1]
+
+
+def _supersede(app: Celery, task_id: str, by: str | None) -> None:
+    app.backend.store_result(task_id, {"by": by, "key": "k"}, SUPERSEDED)
+
+
+@pytest.mark.timeout(30)
+def test_get_follows_a_chain_of_replacements_to_the_run(app: Celery) -> None:
+    """a -> b -> c: a's get() returns c's result."""
+    a, b, c = _id("a"), _id("b"), _id("c")
+    _supersede(app, a, b)
+    _supersede(app, b, c)
+    app.backend.store_result(c, 42, "SUCCESS")
+    assert SingletonResult(a, app=app).get(timeout=10) == 42
+
+
+@pytest.mark.timeout(30)
+def test_get_on_two_copies_naming_each_other_waits_out_its_timeout(app: Celery) -> None:
+    """a -> b -> a (a moment after the store lost the generation): a TimeoutError, no spin."""
+    a, b = _id("a"), _id("b")
+    _supersede(app, a, b)
+    _supersede(app, b, a)
+    with pytest.raises(ResultTimeout):
+        SingletonResult(a, app=app).get(timeout=0.5)
+
+
+@pytest.mark.timeout(30)
+def test_get_on_an_unnamed_replacement_is_a_skip(app: Celery) -> None:
+    """A SUPERSEDED record without ``by``: DuplicateSkipped, raised or returned as asked."""
+    a = _id("a")
+    _supersede(app, a, None)
+    with pytest.raises(DuplicateSkipped):
+        SingletonResult(a, app=app).get(timeout=5)
+    returned = SingletonResult(a, app=app).get(timeout=5, propagate=False)
+    assert isinstance(returned, DuplicateSkipped)
