@@ -229,7 +229,7 @@ class Semaphore(ExtendableLock):
             raise asyncio.CancelledError()
         reply = attempt.result()
         if reply[0] != 1:
-            _, pttl_ms, value, held, waiting = reply
+            _, pttl_ms, value, held, waiting = reply[:5]
             state.refusal = Refusal(
                 value.decode("utf-8", "replace") if isinstance(value, bytes) else value,
                 pttl_ms / 1000 if pttl_ms >= 0 else None,

@@ -28,6 +28,7 @@ from .options import LockOptions
 __all__ = [
     "Decision",
     "decide",
+    "fair_countdown",
     "gave_up",
     "log_rate_limited",
     "log_store_failure",
@@ -163,6 +164,44 @@ def requeue_countdown(
     if decision.own and refusal.ttl is not None:
         delay = min(delay, refusal.ttl + 0.1)
     return delay
+
+
+#: Longest poll of a call that is next in line, in seconds.
+NEXT_POLL = 0.25
+
+
+def fair_countdown(
+    options: LockOptions,
+    attempt: int,
+    draw: float,
+    refusal: Refusal,
+    seen: tuple[int, int] | None = None,
+) -> float:
+    """The delay of a requeue that keeps its place in line (``refusal.rank`` is set).
+
+    A call that is next in line (within the first ``limit`` waiters) comes back
+    after a short poll (a quarter of ``requeue_delay``, at most
+    :data:`NEXT_POLL`, and no later than the holder's lease could end). One
+    further back comes back when about half of the turns ahead of it should
+    have passed, judged by how fast its rank moved since its previous attempt
+    (``seen``: that rank and the server's milliseconds then); without that
+    measure it backs off as usual, but at most ``requeue_delay`` per turn
+    ahead, so it is never asleep for long when its turn comes.
+    """
+    assert refusal.rank is not None
+    poll = min(NEXT_POLL, options.requeue_delay / 4)
+    if refusal.ttl is not None:
+        poll = min(poll, refusal.ttl + 0.05)
+    turns = refusal.rank - (refusal.limit or 1) + 1
+    if turns <= 0:
+        return poll
+    now_ms = refusal.now_ms
+    if seen is not None and now_ms is not None and seen[0] > refusal.rank and now_ms > seen[1]:
+        per_turn = (now_ms - seen[1]) / 1000 / (seen[0] - refusal.rank)
+        delay = turns * per_turn / 2
+    else:
+        delay = min(requeue_delay(options, attempt, draw), turns * options.requeue_delay)
+    return max(poll, min(delay, options.requeue_max_delay))
 
 
 def log_store_failure(

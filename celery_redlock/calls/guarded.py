@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotOwned
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.queue_scripts import Place
 from celery_redlock.core.rate import RateVerdict
 
 from .context import RateSlot, holding, rated
@@ -48,9 +49,11 @@ class Call:
             holder with the same id is the call's own earlier delivery.
         rate_key: The call's rate key, when it has a rate limit: checked
             before the lock (see :meth:`Guard.rate_limiter`).
+        place: The call's place in its key's wait line, when it waits in line
+            (a requeued Celery call): the lock is then taken in arrival order.
     """
 
-    __slots__ = ("call_id", "key", "label", "rate_key", "token")
+    __slots__ = ("call_id", "key", "label", "place", "rate_key", "token")
 
     def __init__(
         self,
@@ -65,6 +68,7 @@ class Call:
         self.label = label
         self.call_id = call_id
         self.rate_key = rate_key
+        self.place: Place | None = None
 
     def __repr__(self) -> str:
         return f"Call({self.key!r}, label={self.label!r}, call_id={self.call_id!r})"
@@ -158,7 +162,10 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         return _run_rated(guard, call, call.rate_key, body)
     try:
         lock = guard.new_lock(call)
-        acquired = lock.acquire(token=call.token)
+        if call.place is None:
+            acquired = lock.acquire(token=call.token)
+        else:
+            acquired = lock.acquire(token=call.token, place=call.place)
     except RedisError as exc:
         return run_unprotected(guard, call, exc, body)
     if not acquired:
@@ -188,7 +195,10 @@ def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], 
             verdict = limiter.acquire(rate_key, call.call_id)
             if verdict.admitted:
                 lock = guard.new_lock(call)
-                acquired = lock.acquire(token=call.token)
+                if call.place is None:
+                    acquired = lock.acquire(token=call.token)
+                else:
+                    acquired = lock.acquire(token=call.token, place=call.place)
         except RedisError as exc:
             return run_unprotected(guard, call, exc, body)
         if verdict.admitted:

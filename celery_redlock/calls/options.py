@@ -152,6 +152,12 @@ def _count(setting: str, value: Any) -> int:
     return value
 
 
+def _flag(setting: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(setting, value, "must be True or False")
+    return value
+
+
 def _limit(setting: str, value: Any) -> int:
     return check_limit(setting, value)
 
@@ -221,6 +227,8 @@ class LockOptions:
             copy (``until_and_while_executing`` only).
         period: ``mode="until_expired"``: seconds an accepted call refuses its
             duplicates, whether or not it has finished.
+        fair: Requeued calls wait in line: the oldest is admitted first when
+            the key frees (see docs/conflicts.md); ``False``: plain backoff.
     """
 
     ttl: float = _option(10.0, _seconds)
@@ -242,6 +250,7 @@ class LockOptions:
     debounce_max_wait: float | None = _option(None, _optional_seconds, app_wide=False)
     keep: Keep = _option(Keep.FIRST, _choice(Keep), app_wide=False)
     period: float | None = _option(None, _optional_seconds, app_wide=False)
+    fair: bool = _option(True, _flag)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from celery_redlock.calls.context import current_lock
 from celery_redlock.calls.decisions import (
     Decision,
     decide,
+    fair_countdown,
     gave_up,
     log_rate_limited,
     log_store_failure,
@@ -40,12 +41,14 @@ from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
+from celery_redlock.core.line import leave_line
 from celery_redlock.core.lock import Lease
 from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
 from . import signals
-from .messages import REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
+from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
+from .queueing import in_line, line_header, place_for, seen_in_line, waited
 from .result import SKIPPED, already_done
 
 __all__ = [
@@ -131,6 +134,7 @@ class TaskGuard(Guard[Any]):
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
         self.rate_keys = rate_keys(task.name, task.run, options)
         self._limiter: RateLimiter | None = None
+        self._in_line = in_line(options)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
@@ -161,6 +165,8 @@ class TaskGuard(Guard[Any]):
         label = f"task {task.name}[{request.id}]"
         call = TaskCall(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
         call.met_itself = self._met_itself(request)
+        if self._in_line:
+            call.place = place_for(request, self.options)
         if self.rate_keys is not None:
             call.rate_key = self.rate_keys.key_for(args, kwargs)
         return call
@@ -221,6 +227,7 @@ class TaskGuard(Guard[Any]):
             key=call.key,
             fence=lease.fence,
             ttl=self.options.ttl,
+            waited=waited(call.place),
         )
 
     def starting(self, call: Call, lease: Lease) -> None:
@@ -257,9 +264,9 @@ class TaskGuard(Guard[Any]):
 
     def refused(self, call: Call, lock: Any) -> NoReturn:
         """Skip, requeue or raise as ``on_conflict`` says; wait for an own earlier delivery."""
-        self._conflict(call.key, lock.refusal)
+        self._conflict(call.key, lock.refusal, lock if call.place is not None else None)
 
-    def _conflict(self, key: str, refusal: Refusal) -> NoReturn:
+    def _conflict(self, key: str, refusal: Refusal, line: Any = None) -> NoReturn:
         request = self.task.request
         decision = decide(
             refusal,
@@ -273,6 +280,8 @@ class TaskGuard(Guard[Any]):
         )
         self._contended(key, refusal, decision.action)
         if decision.gave_up:
+            if line is not None:
+                self._leave_line(line, key)
             raise gave_up(self._label(), key, self.options.max_requeues, refusal)
         if decision.action == "requeue":
             # A redelivery of this very task (decision.own): its first delivery
@@ -283,6 +292,12 @@ class TaskGuard(Guard[Any]):
             self._record_skip(key, refusal.holder)
             raise Ignore()
         raise not_acquired(self._label(), key, refusal, "task")
+
+    def _leave_line(self, lock: Any, key: str) -> None:
+        try:  # best effort: an entry not renewed lapses anyway
+            leave_line(lock.redis, key, str(self.task.request.id))
+        except RedisError as exc:
+            logger.warning("%s: could not leave the line of %s (%s)", self._label(), key, exc)
 
     def _label(self) -> str:
         return f"task {self.task.name}[{self.task.request.id}]"
@@ -305,6 +320,7 @@ class TaskGuard(Guard[Any]):
             holder=refusal.holder.task_id if refusal.holder else None,
             action=action,
             attempt=attempt,
+            line=refusal.waiting if refusal.rank is not None else None,
         )
 
     def _requeue(
@@ -313,7 +329,6 @@ class TaskGuard(Guard[Any]):
         refusal: Refusal,
         decision: Decision,
         recheck: bool = True,
-        unreachable: RedisError | None = None,
         delay: float | None = None,
     ) -> NoReturn:
         """Publish this call again with a backoff delay, then end this run with ``Ignore``.
@@ -323,15 +338,13 @@ class TaskGuard(Guard[Any]):
 
         Raises:
             LockNotAcquired: For an eager call (a requeue would run it again at
-                once, inside this call), or when ``max_requeues`` ran out. A
-                redelivery meeting its own lock (``decision.own``) never runs
-                out: its first delivery either finishes or dies, and the lock
-                expires. With ``recheck`` such a copy is marked to drop itself
-                if the holder turns out to have finished the task.
-                ``unreachable`` is the error of a lock store that could not be
-                reached, when that (not a holder) is why the call is requeued.
-                A ``delay`` given (a rate limit's exact wait) is used as it is,
-                and the requeue is not counted against ``max_requeues``.
+                once, inside this call). ``max_requeues`` is not checked
+                here: :func:`decide` did. With ``recheck`` a copy meeting its
+                own lock (``decision.own``) is marked to drop itself if the
+                holder turns out to have finished the task. A ``delay`` given
+                (a rate limit's exact wait) is used as it is, and the requeue
+                is not counted. A call in line (``refusal.rank``) carries its
+                place, and its countdown is :func:`fair_countdown`'s.
         """
         request = self.task.request
         attempt = requeues_of(request) + (1 if delay is None else 0)
@@ -343,14 +356,18 @@ class TaskGuard(Guard[Any]):
                 holder=refusal.holder_id,
                 holder_ttl=refusal.ttl,
             )
-        if delay is None:
-            if attempt > self.options.max_requeues and not decision.own:
-                raise gave_up(self._label(), key, self.options.max_requeues, refusal, unreachable)
+        line = line_header(request, refusal, decision) if self._in_line else None
+        if delay is None and line is not None and not decision.own:
+            seen = seen_in_line(request)
+            delay = fair_countdown(self.options, attempt, random.random(), refusal, seen)
+        elif delay is None:
             delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         own = decision.own
         headers = dict(request.headers or {})
         retries = request.retries or 0
         headers[REQUEUES_HEADER] = [retries, attempt]
+        if line is not None:
+            headers[QUEUE_HEADER] = line
         if own and recheck:
             headers[SELF_HEADER] = retries
         else:
@@ -423,7 +440,10 @@ class TaskGuard(Guard[Any]):
         if policy == "run":
             return UNPROTECTED
         if policy == "requeue":
-            self._requeue(call.key, Refusal(), Decision("requeue"), unreachable=exc)
+            most, requeues = self.options.max_requeues, requeues_of(self.task.request)
+            if decide(Refusal(), None, "requeue", requeues=requeues, max_requeues=most).gave_up:
+                raise gave_up(self._label(), call.key, most, Refusal(), exc)
+            self._requeue(call.key, Refusal(), Decision("requeue"))
         raise LockError(
             f"lock store {failure} for {call.key}: {describe_error(exc)}", lock_name=call.key
         ) from exc

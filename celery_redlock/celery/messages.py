@@ -13,10 +13,12 @@ from typing import Any
 __all__ = [
     "CONTINUES_HEADER",
     "GENERATION_HEADER",
+    "QUEUE_HEADER",
     "REQUEUES_HEADER",
     "RESERVATION_HEADER",
     "SELF_HEADER",
     "header_of",
+    "place_of",
     "requeues_of",
 ]
 
@@ -36,6 +38,20 @@ CONTINUES_HEADER = "x_redlock_continues"
 #: ``keep="latest"``): ``"<epoch>:<generation>"`` of its key when it was
 #: published; an older generation retires itself at the worker.
 GENERATION_HEADER = "x_redlock_generation"
+
+
+#: Message header of a call waiting in line (see core/queue_scripts.py):
+#: ``[retries, arrival in microseconds, rank, server ms]`` of its latest refusal,
+#: so its place survives requeues and its next countdown can judge the pace.
+QUEUE_HEADER = "x_redlock_queue"
+
+
+def place_of(request: Any) -> tuple[int, int, int] | None:
+    """The (arrival, rank, server ms) of this attempt's latest place in line, if any."""
+    value = header_of(request, QUEUE_HEADER)
+    if isinstance(value, (list, tuple)) and len(value) == 4 and value[0] == (request.retries or 0):
+        return int(value[1]), int(value[2]), int(value[3])
+    return None
 
 
 def requeues_of(request: Any) -> int:

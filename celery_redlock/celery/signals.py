@@ -12,14 +12,19 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_lapsed", "lock_lost", "lock_released"]
 
-#: The task took its lock. Also sends ``fence`` and ``ttl``.
-lock_acquired = Signal(name="lock_acquired", providing_args={"task_id", "key", "fence", "ttl"})
+#: The task took its lock. Also sends ``fence``, ``ttl`` and ``waited``: seconds
+#: since the call first joined its key's wait line, or ``None`` if it never waited.
+lock_acquired = Signal(
+    name="lock_acquired", providing_args={"task_id", "key", "fence", "ttl", "waited"}
+)
 
 #: Another call holds the lock. ``action`` is what the task does about it
 #: (``"skip"``, ``"requeue"``, ``"raise"``, or ``"requeue"`` for a redelivered
-#: copy meeting its own lock); ``holder`` is the holder's task id, if known.
+#: copy meeting its own lock); ``holder`` is the holder's task id, if known;
+#: ``line`` how many wait in the key's line when the call waits in it, else ``None``.
 lock_contended = Signal(
-    name="lock_contended", providing_args={"task_id", "key", "holder", "action", "attempt"}
+    name="lock_contended",
+    providing_args={"task_id", "key", "holder", "action", "attempt", "line"},
 )
 
 #: The task released its lock; ``owned`` is False if it had been lost first.

@@ -10,7 +10,10 @@ additions per task: no Redis command, no message.
 
 The counts come from celery-redlock's own signals (``lock_acquired``,
 ``lock_contended``, ``lock_released``, ``lock_lost``) and start at zero when
-the worker starts.
+the worker starts. Beside the :data:`COUNTERS`, :data:`WAIT_COUNTERS` measure
+fair requeue (see docs/conflicts.md): how many calls were admitted after
+waiting in line, their total and longest wait, and the longest line seen;
+the report adds each task's mean and longest wait in seconds.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from . import signals
 __all__ = [
     "COUNTERS",
     "OTHER_TASKS",
+    "WAIT_COUNTERS",
     "StatsTable",
     "disable",
     "disabled_because",
@@ -40,10 +44,16 @@ logger = logging.getLogger(__name__)
 
 #: The counters of each task, in cell order.
 COUNTERS = ("acquired", "skipped", "requeued", "raised", "lost", "released")
+#: What the wait line adds: calls admitted after waiting in line, their total
+#: and longest wait (ms), and the most waiters seen in a key's line.
+WAIT_COUNTERS = ("waited", "wait_ms", "wait_max_ms", "line_max")
+#: Counters summed by their largest value, not their total.
+_MAXIMA = frozenset({"wait_max_ms", "line_max"})
 #: The row of tasks registered after the worker started.
 OTHER_TASKS = "(other)"
 
 _ACQUIRED, _SKIPPED, _REQUEUED, _RAISED, _LOST, _RELEASED = range(len(COUNTERS))
+_WAITED, _WAIT_MS, _WAIT_MAX_MS, _LINE_MAX = range(len(COUNTERS), len(COUNTERS) + 4)
 _BY_ACTION = {"skip": _SKIPPED, "requeue": _REQUEUED, "raise": _RAISED}
 _CELL = 8  # bytes: unsigned 64-bit counters
 
@@ -69,7 +79,10 @@ class StatsTable:
     """
 
     def __init__(
-        self, tasks: Iterable[str], processes: int, counters: Sequence[str] = COUNTERS
+        self,
+        tasks: Iterable[str],
+        processes: int,
+        counters: Sequence[str] = (*COUNTERS, *WAIT_COUNTERS),
     ) -> None:
         self.tasks = [*sorted(set(tasks) - {OTHER_TASKS}), OTHER_TASKS]
         self.counters = tuple(counters)
@@ -108,6 +121,17 @@ class StatsTable:
         with self._lock:
             self._cells[cell] += amount
 
+    def raise_to(self, task: str, counter: int, value: int) -> None:
+        """Raise ``counter`` of ``task`` to ``value`` if it is below (a maximum, not a count)."""
+        row = self._rows.get(task)
+        if row is None:
+            row = self._rows[OTHER_TASKS]
+        base = self._base if self._base is not None else self._own_base()
+        cell = base + row * len(self.counters) + counter
+        with self._lock:
+            if self._cells[cell] < value:
+                self._cells[cell] = value
+
     def totals(self) -> dict[str, dict[str, int]]:
         """Return the sums over every process, per task; tasks never counted are left out."""
         result: dict[str, dict[str, int]] = {}
@@ -118,18 +142,27 @@ class StatsTable:
             for slot in range(self.slots):
                 start = slot * self._width + row * width
                 for i in range(width):
-                    sums[i] += cells[start + i]
+                    if self.counters[i] in _MAXIMA:
+                        sums[i] = max(sums[i], cells[start + i])
+                    else:
+                        sums[i] += cells[start + i]
             if any(sums):
                 result[task] = dict(zip(self.counters, sums))
         return result
 
     def report(self) -> dict[str, Any]:
         """What the ``redlock_stats`` remote-control command replies."""
+        tasks = self.totals()
+        for counts in tasks.values():
+            waited = counts.get("waited", 0)
+            if waited:
+                counts["wait_mean_s"] = round(counts["wait_ms"] / waited / 1000, 3)  # type: ignore[assignment]
+                counts["wait_longest_s"] = round(counts["wait_max_ms"] / 1000, 3)  # type: ignore[assignment]
         return {
             "since": self.started_at,
             "pid": os.getpid(),
             "processes": self.slots - 1,
-            "tasks": self.totals(),
+            "tasks": tasks,
         }
 
 
@@ -181,14 +214,32 @@ def _count(task: Any, counter: int) -> None:
         table.add(task.name, counter)
 
 
-def _on_acquired(sender: Any = None, **kwargs: Any) -> None:
+def _on_acquired(sender: Any = None, waited: float | None = None, **kwargs: Any) -> None:
     _count(sender, _ACQUIRED)
+    if waited is not None:
+        table = _table_of(sender)
+        if table is not None:
+            ms = int(waited * 1000)
+            table.add(sender.name, _WAITED)
+            table.add(sender.name, _WAIT_MS, ms)
+            table.raise_to(sender.name, _WAIT_MAX_MS, ms)
 
 
-def _on_contended(sender: Any = None, action: str = "", **kwargs: Any) -> None:
+def _table_of(task: Any) -> StatsTable | None:
+    app = getattr(task, "app", None)
+    return _tables.get(app) if app is not None else None
+
+
+def _on_contended(
+    sender: Any = None, action: str = "", line: int | None = None, **kwargs: Any
+) -> None:
     counter = _BY_ACTION.get(action)
     if counter is not None:
         _count(sender, counter)
+    if line:
+        table = _table_of(sender)
+        if table is not None:
+            table.raise_to(sender.name, _LINE_MAX, line)
 
 
 def _on_released(sender: Any = None, owned: bool = True, **kwargs: Any) -> None:

@@ -69,6 +69,8 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             ``until_and_while_executing``, a new call replaces the waiting copy.
         lock_period: ``lock_mode="until_expired"``: seconds during which an
             accepted call refuses its duplicates, finished or not.
+        lock_fair: ``False`` turns off fair requeue (requeued calls wait in line
+            by first arrival; see docs/conflicts.md).
     """
 
     lock_ttl: ClassVar[float | None] = None
@@ -90,6 +92,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
     lock_debounce_max_wait: ClassVar[float | None] = None
     lock_keep: ClassVar[str | None] = None
     lock_period: ClassVar[float | None] = None
+    lock_fair: ClassVar[bool | None] = None
 
     # Per-queue locking must not wrap this task's body: it locks itself, once.
     __redlock_guarded__: ClassVar[bool] = True

@@ -208,7 +208,11 @@ class Refusal:
         ttl: Seconds the holder's lock had left, or ``None`` (unknown, or no expiry).
         held: Permits held (semaphores only).
         limit: Permits the semaphore has (semaphores only).
-        waiting: Callers on the semaphore's wait list (semaphores only).
+        waiting: Callers on the key's wait list (semaphores, and acquires in line).
+        rank: The refused caller's place in line (0: next), when it waits in
+            line (see :mod:`~celery_redlock.core.queue_scripts`), else ``None``.
+        arrival_us: When the caller first joined the line (server clock, microseconds).
+        now_ms: The server clock at the refusal, in milliseconds.
     """
 
     value: str | None = None
@@ -216,6 +220,9 @@ class Refusal:
     held: int | None = None
     limit: int | None = None
     waiting: int | None = None
+    rank: int | None = None
+    arrival_us: int | None = None
+    now_ms: int | None = None
 
     @classmethod
     def of(cls, reported: tuple[str | None, float | None] | None) -> Refusal:

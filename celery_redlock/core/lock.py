@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -25,6 +26,7 @@ from . import replication as replicated
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
 from .holder import Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
+from .line import attempt_in_line
 from .lock_options import (
     DEFAULT_FENCE_RETENTION,
     LockSettings,
@@ -33,6 +35,7 @@ from .lock_options import (
     positive_seconds,
 )
 from .lock_state import LockState, SharedState, ThreadState
+from .queue_scripts import Place
 from .scripts import ACQUIRE, RELEASE, RENEW
 
 if TYPE_CHECKING:
@@ -133,8 +136,6 @@ class Lock(LockSettings):
         self._watchdog = watchdog
         self.local: LockState = ThreadState() if self.thread_local else SharedState()
 
-    # -- redis-py compatible API ------------------------------------------------
-
     def __enter__(self: _LockT) -> _LockT:
         if self.acquire():
             return self
@@ -169,6 +170,7 @@ class Lock(LockSettings):
         blocking: bool | None = None,
         blocking_timeout: Number | None = None,
         token: str | bytes | None = None,
+        place: Place | None = None,
     ) -> bool:
         """Take the lock; return ``True`` once held, ``False`` if not (non-blocking or timed out).
 
@@ -177,6 +179,7 @@ class Lock(LockSettings):
             blocking: Wait for the lock (default: the lock's ``blocking``).
             blocking_timeout: Longest wait in seconds (default: the lock's).
             token: Value to store; default 16 random bytes from ``secrets``, hex.
+            place: Wait in line (:mod:`~celery_redlock.core.queue_scripts`).
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
@@ -191,11 +194,16 @@ class Lock(LockSettings):
         if blocking_timeout is None:
             blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
+        self.local.place = None
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = self._clock() + blocking_timeout
         while True:
-            if self.do_acquire(encoded):
+            if place is None:
+                acquired = self.do_acquire(encoded)
+            else:
+                acquired = attempt_in_line(self, encoded, place, type(self).do_acquire is _PLAIN)
+            if acquired:
                 lease = self.local.lease
                 # The value stored may be the token with an attempt number (Redlock).
                 self.local.token = encoded if lease is None else lease.token
@@ -356,8 +364,6 @@ class Lock(LockSettings):
         self._renew(self._ttl_ms, True, "reacquire")
         return True
 
-    # -- additions ----------------------------------------------------------------
-
     @property
     def lease(self) -> Lease | None:
         """This thread's latest lease: held, lost or released; ``None`` before any."""
@@ -370,7 +376,12 @@ class Lock(LockSettings):
         Read it after :meth:`acquire` returned ``False``; after a successful
         acquire it says nothing (both fields ``None``).
         """
-        return Refusal.of(self.local.holder)
+        refusal = Refusal.of(self.local.holder)
+        place = self.local.place
+        if place is None:
+            return refusal
+        rank, queued, arrival, now_ms = place
+        return replace(refusal, rank=rank, waiting=queued, arrival_us=arrival, now_ms=now_ms)
 
     @property
     def token(self) -> bytes | None:
@@ -433,3 +444,6 @@ class Lock(LockSettings):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"
+
+
+_PLAIN = Lock.do_acquire

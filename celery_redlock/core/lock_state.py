@@ -23,6 +23,8 @@ class ThreadState(threading.local):
     token: bytes | None = None
     lease: Lease | None = None
     holder: tuple[str | None, float | None] | None = None
+    # A refusal's place in line (rank, waiters, arrival in us, server ms).
+    place: tuple[int, int, int, int] | None = None
     # Why the latest attempt failed, when a subclass knows more than the holder.
     failure: LockError | None = None
 
@@ -34,6 +36,7 @@ class SharedState:
         self.token: bytes | None = None
         self.lease: Lease | None = None
         self.holder: tuple[str | None, float | None] | None = None
+        self.place: tuple[int, int, int, int] | None = None
         self.failure: LockError | None = None
 
 

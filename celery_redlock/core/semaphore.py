@@ -30,6 +30,7 @@ from .holder import Holder, Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, LostCallback
 from .lock_options import DEFAULT_FENCE_RETENTION, LockSettings, Number, positive_seconds
 from .permit import WAIT_SLACK, PermitLease, check_limit
+from .queue_scripts import Place, queue_keys
 from .semaphore_scripts import (
     ACQUIRE_PERMIT,
     COUNT_PERMITS,
@@ -176,6 +177,7 @@ class Semaphore(LockSettings):
         blocking: bool | None = None,
         blocking_timeout: Number | None = None,
         token: str | bytes | None = None,
+        place: Place | None = None,
     ) -> bool:
         """Take a permit; return ``True`` once held, ``False`` if not (non-blocking or timed out).
 
@@ -189,6 +191,9 @@ class Semaphore(LockSettings):
             token: The holder's token; default 16 random bytes from ``secrets``,
                 hex. A token naming a task (the package's holder value) is
                 refused while another permit names the same task id.
+            place: Wait in line as this place (see
+                :mod:`~celery_redlock.core.queue_scripts`): its member, first
+                arrival and entry lifetimes instead of the token and now.
 
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
@@ -203,9 +208,11 @@ class Semaphore(LockSettings):
             encoded = self._encode(token)
             owner = Holder.owner_field(encoded)
         wait_ms = int((2 * sleep + WAIT_SLACK) * 1000) if blocking else 0
+        if place is not None:
+            wait_ms = max(wait_ms, place.far_ms)
         stop_at = None if blocking_timeout is None else self._clock() + blocking_timeout
         while True:
-            if self.do_acquire(encoded, owner, wait_ms):
+            if self.do_acquire(encoded, owner, wait_ms, place):
                 lease = self.local.lease
                 if self.auto_renew and lease is not None:
                     self.watchdog.watch(lease)
@@ -240,29 +247,34 @@ class Semaphore(LockSettings):
                 self._blpop = False
         time.sleep(seconds)
 
-    def do_acquire(self, token: bytes, owner: str = "", wait_ms: int = 0) -> bool:
+    def do_acquire(
+        self, token: bytes, owner: str = "", wait_ms: int = 0, place: Place | None = None
+    ) -> bool:
         """Make one attempt; on success store the new :class:`PermitLease` for this thread.
 
         Args:
             token: The holder's token.
             owner: The task id field of the token (see :meth:`Holder.owner_field`).
             wait_ms: 0, or how long the caller's place on the wait list lasts.
+            place: The caller's place in line, when it waits as a call (not as the token).
         """
         sent_at = self._clock()
-        reply = ACQUIRE_PERMIT(
-            self.redis,
-            self._acquire_keys,
-            (token, self._ttl_ms, self.limit, self._fence_retention_ms, owner, wait_ms, "0"),
+        args: tuple[Any, ...] = (
+            token,
+            self._ttl_ms,
+            self.limit,
+            self._fence_retention_ms,
+            owner,
+            wait_ms,
+            "0",
         )
+        keys: tuple[str, ...] = self._acquire_keys
+        if place is not None:
+            args += place.args()[:3]
+            keys = (*keys, queue_keys(self.name)[2])
+        reply = ACQUIRE_PERMIT(self.redis, keys, args)
         if reply[0] != 1:
-            _, pttl_ms, value, held, waiting = reply
-            self.local.refusal = Refusal(
-                value.decode("utf-8", "replace") if isinstance(value, bytes) else value,
-                pttl_ms / 1000 if pttl_ms >= 0 else None,
-                int(held),
-                self.limit,
-                int(waiting),
-            )
+            self.local.refusal = self._refusal(reply, place is not None)
             return False
         _, fence, slot, member = reply
         member = self._encode(member) if isinstance(member, str) else member
@@ -284,6 +296,19 @@ class Semaphore(LockSettings):
             label=self.label,
         )
         return True
+
+    def _refusal(self, reply: list[Any], in_line: bool) -> Refusal:
+        _, pttl_ms, value, held, waiting, rank, arrival, now_ms = reply
+        return Refusal(
+            value.decode("utf-8", "replace") if isinstance(value, bytes) else value,
+            pttl_ms / 1000 if pttl_ms >= 0 else None,
+            int(held),
+            self.limit,
+            int(waiting),
+            rank=int(rank) if in_line and int(rank) >= 0 else None,
+            arrival_us=int(float(arrival)) if in_line and float(arrival) >= 0 else None,
+            now_ms=int(now_ms),
+        )
 
     def release(self) -> None:
         """Give this thread's permit back, if it still holds it.

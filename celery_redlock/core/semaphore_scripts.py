@@ -75,7 +75,7 @@ def semaphore_keys(name: str, *, cluster: bool = False) -> SemaphoreKeys:
 
 def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
     # The first send may have taken the permit: let the resend find it ours.
-    return (*args[:6], "1")
+    return (*args[:6], "1", *args[7:])
 
 
 # Take a permit and draw its fence in one round trip, reclaiming expired permits first.
@@ -94,10 +94,17 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          joins (or stays on) the wait list, its entry lapsing after this long
 # ARGV[7]  "0" on the first send; "1" when the same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
+# KEYS[5] and ARGV[8..10] (optional) a place in line (queue_scripts.Place):
+#          waiters by presence; who waits (default ARGV[1]), its first arrival
+#          in microseconds ("" or absent: now; an older one moves the entry
+#          forward), and how long it counts as present (its entry lasts ARGV[6]).
+#          Only the present waiters ahead of it then hold a free permit back.
 # Returns  {1, fence, slot, member} when a permit was taken (or, with ARGV[7]
 #          "1", already held with ARGV[1]); otherwise {0, PTTL in ms of the
 #          permit reported (-1: none), that permit's token (nil: none), permits
-#          held, waiters queued}. The permit reported is one naming the same
+#          held, waiters queued, the caller's rank in line (-1: not in line),
+#          its arrival in microseconds (-1: none), the server clock in ms}.
+#          The permit reported is one naming the same
 #          owner (or token) when there is one, which refuses the call even if a
 #          permit is free: a redelivered task must not run beside its first
 #          delivery; otherwise the permit that expires first.
@@ -113,12 +120,19 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
+local entry = ARGV[1]
+if ARGV[8] and ARGV[8] ~= '' then
+  entry = ARGV[8]
+end
 local queued = redis.call('ZCARD', KEYS[3])
 if queued > 0 then
   local lapsed = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
   for _, waiter in ipairs(lapsed) do
     redis.call('ZREM', KEYS[3], waiter)
     redis.call('ZREM', KEYS[4], waiter)
+    if KEYS[5] then
+      redis.call('ZREM', KEYS[5], waiter)
+    end
   end
   queued = redis.call('ZCARD', KEYS[3])
 end
@@ -157,12 +171,22 @@ if own == nil and held < limit then
   if queued == 0 then
     admitted = true
   else
-    local rank = redis.call('ZRANK', KEYS[3], ARGV[1])
-    if rank then
-      admitted = rank < limit - held
-    else
-      admitted = queued < limit - held
+    local rank = redis.call('ZRANK', KEYS[3], entry)
+    local ahead = rank or queued
+    if KEYS[5] and ahead > 0 then
+      -- In line as a call: only the waiters ahead that are present count.
+      local present = 0
+      for _, waiter in ipairs(redis.call('ZRANGE', KEYS[3], 0, ahead - 1)) do
+        if tonumber(redis.call('ZSCORE', KEYS[5], waiter) or '0') > now then
+          present = present + 1
+          if present >= limit - held then
+            break
+          end
+        end
+      end
+      ahead = present
     end
+    admitted = ahead < limit - held
   end
 end
 if admitted then
@@ -184,17 +208,31 @@ if admitted then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
   if queued > 0 then
-    redis.call('ZREM', KEYS[3], ARGV[1])
-    redis.call('ZREM', KEYS[4], ARGV[1])
+    redis.call('ZREM', KEYS[3], entry)
+    redis.call('ZREM', KEYS[4], entry)
+    if KEYS[5] then
+      redis.call('ZREM', KEYS[5], entry)
+    end
   end
   return {1, fence, slot, member}
 end
 local wait = tonumber(ARGV[6])
+local rank = -1
 if wait > 0 and own == nil then
   local arrival = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-  redis.call('ZADD', KEYS[3], 'NX', arrival, ARGV[1])
-  redis.call('ZADD', KEYS[4], now + wait, ARGV[1])
-  for k = 3, 4 do
+  if ARGV[9] and ARGV[9] ~= '' then
+    redis.call('ZADD', KEYS[3], 'LT', ARGV[9], entry)
+  else
+    redis.call('ZADD', KEYS[3], 'NX', arrival, entry)
+  end
+  rank = redis.call('ZRANK', KEYS[3], entry)
+  redis.call('ZADD', KEYS[4], now + wait, entry)
+  local last = 4
+  if KEYS[5] then
+    redis.call('ZADD', KEYS[5], now + tonumber(ARGV[10]), entry)
+    last = 5
+  end
+  for k = 3, last do
     if redis.call('PTTL', KEYS[k]) < wait then
       redis.call('PEXPIRE', KEYS[k], wait)
     end
@@ -209,7 +247,8 @@ local pttl = -1
 if reported_at ~= nil then
   pttl = reported_at - now
 end
-return {0, pttl, reported or false, held, queued}
+local arrived = redis.call('ZSCORE', KEYS[3], entry) or -1
+return {0, pttl, reported or false, held, queued, rank, arrived, now}
 """,
     resend=_acquire_again,
 )

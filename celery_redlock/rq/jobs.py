@@ -291,7 +291,10 @@ class _JobRunner(Guard[Any]):
         if policy == "run":
             return UNPROTECTED
         if policy == "requeue":
-            return self._requeue(call, Decision("requeue"), Refusal(), unreachable=exc)
+            most, requeues = self.options.max_requeues, int(job.meta.get(REQUEUES_META, 0))
+            if decide(Refusal(), None, "requeue", requeues=requeues, max_requeues=most).gave_up:
+                raise gave_up(call.label, call.key, most, Refusal(), exc)
+            return self._requeue(call, Decision("requeue"), Refusal())
         raise exc
 
     def refused(self, call: Call, lock: Any) -> Any:
@@ -328,14 +331,11 @@ class _JobRunner(Guard[Any]):
         call: Call,
         decision: Decision,
         refusal: Refusal,
-        unreachable: RedisError | None = None,
     ) -> Retry:
+        # decide() already enforced max_requeues (a job meeting its own lock,
+        # alive or dead, always waits: its lock ends within the TTL).
         job = _job_of(call)
         attempt = int(job.meta.get(REQUEUES_META, 0)) + 1
-        # A job meeting its own lock (a rerun of a job whose first run still
-        # holds it, alive or dead) always waits: its lock ends within the TTL.
-        if attempt > self.options.max_requeues and not decision.own:
-            raise gave_up(call.label, call.key, self.options.max_requeues, refusal, unreachable)
         delay = requeue_countdown(self.options, attempt, random.random(), decision, refusal)
         job.meta[REQUEUES_META] = attempt
         cast(Any, job).save_meta()  # untyped in RQ

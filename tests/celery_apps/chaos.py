@@ -39,6 +39,7 @@ from tests.celery_apps.storm import WakeUp
 from tests.chaos.history import FencedStore, hold, record_prerun, watched_execution
 
 __all__ = [
+    "FAIR_TASKS",
     "LIMIT",
     "LIMITED_TASK",
     "LOCK_TTL",
@@ -147,6 +148,7 @@ def create_app(env: Mapping[str, str]) -> Celery:
     if isinstance(lock_url, str) and not lock_url.startswith("sentinel://"):
         _register_window_task(app)
         _register_limited_task(app)
+        _register_fair_tasks(app)
     app.steps["consumer"].add(WakeUp)
     return app
 
@@ -220,6 +222,40 @@ def _register_limited_task(app: Celery) -> None:
     def limited(self: Task, run: str, resource: str, seconds: float) -> str:
         """As ``work``, with up to LIMIT holders per key, each fenced by its slot."""
         return _work(self, run, seconds)
+
+
+#: The fair-requeue soak's tasks: (lock_limit, lock_fair) by name.
+FAIR_TASKS = {
+    "chaos.fair1": (1, True),
+    "chaos.fair3": (3, True),
+    "chaos.unfair1": (1, False),
+    "chaos.unfair3": (3, False),
+}
+
+
+def _register_fair_tasks(app: Celery) -> None:
+    # Requeues that back off as a production task's would (scaled down): a
+    # call that is unlucky without a line would wait ever longer.
+    options = {
+        **_LOCK_OPTIONS,
+        "lock_key": ["run", "resource"],
+        "lock_requeue_delay": 0.2,
+        "lock_requeue_max_delay": 20.0,
+    }
+    for name, (limit, fair) in FAIR_TASKS.items():
+
+        def fair_work(self: Task, run: str, resource: str, seconds: float) -> str:
+            """Hold ``resource`` for ``seconds`` (one of ``limit`` holders), acks late."""
+            return _work(self, run, seconds)
+
+        app.task(
+            name=name,
+            acks_late=True,
+            reject_on_worker_lost=True,
+            lock_limit=limit,
+            lock_fair=fair,
+            **options,
+        )(fair_work)
 
 
 def _register_window_task(app: Celery) -> None:

@@ -165,6 +165,26 @@ def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, stor
     assert node.zcard(keys.permits) == 0
 
 
+def test_acquires_in_line_run_on_the_keys_node(cluster, store):
+    """A lock and a semaphore acquired in line (fair requeue) keep their wait line in the
+    name's slot: the one-script round trip works on a Cluster, oldest waiter first."""
+    from celery_redlock.core.queue_scripts import Place, queue_keys
+
+    for limit in (1, 2):
+        name = f"c3:v1:{{t.fair:{uuid.uuid4().hex}}}"
+        holders = [store.lock(name, limit=limit, timeout=5, blocking=False) for _ in range(limit)]
+        assert all(h.acquire(place=Place(f"h{i}", None, 5000, 9000)) for i, h in enumerate(holders))
+        old, new = (store.lock(name, limit=limit, timeout=5, blocking=False) for _ in range(2))
+        assert not old.acquire(place=Place("old", None, 5000, 9000))
+        assert not new.acquire(place=Place("new", None, 5000, 9000))
+        holders[0].release()
+        assert not new.acquire(place=Place("new", None, 5000, 9000))
+        assert old.acquire(place=Place("old", old.refusal.arrival_us, 5000, 9000))
+        node = cluster.node_of(name).client()
+        assert node.zrange(queue_keys(name)[0], 0, -1) == [b"new"]
+        assert len({node.cluster("keyslot", key) for key in (name, *queue_keys(name))}) == 1
+
+
 @pytest.mark.timeout(180)
 def test_cluster_failover_under_steady_locking(redis_server_binary, tmp_path):
     """CLUSTER FAILOVER of one shard (6 nodes: 3 masters, 1 replica each) while a warm and

@@ -87,19 +87,32 @@ def test_lock_signals_land_in_their_counters():
     task = app.tasks["t.one"]
     table = stats.enable(app, processes=1)
     signals.lock_acquired.send(sender=task, task_id="i", key="k", fence=1, ttl=1.0)
+    signals.lock_acquired.send(sender=task, task_id="j", key="k", fence=3, ttl=1.0, waited=2.5)
+    signals.lock_acquired.send(sender=task, task_id="k", key="k", fence=4, ttl=1.0, waited=0.5)
     for action in ("skip", "skip", "requeue", "raise"):
         signals.lock_contended.send(
             sender=task, task_id="i", key="k", holder=None, action=action, attempt=0
         )
+    signals.lock_contended.send(
+        sender=task, task_id="j", key="k", holder=None, action="requeue", attempt=0, line=7
+    )
     signals.lock_lost.send(sender=task, task_id="i", key="k", fence=1, reason="expired")
     signals.lock_released.send(sender=task, task_id="i", key="k", fence=1, owned=False)
     signals.lock_released.send(sender=task, task_id="i", key="k", fence=2, owned=True)
     assert table.totals()["t.one"] == {
-        "acquired": 1,
+        "acquired": 3,
         "skipped": 2,
-        "requeued": 1,
+        "requeued": 2,
         "raised": 1,
         "lost": 1,
         "released": 1,
+        # Fair requeue: two calls admitted after waiting, 3 s in all, the longest
+        # 2.5 s; the longest line seen was 7.
+        "waited": 2,
+        "wait_ms": 3000,
+        "wait_max_ms": 2500,
+        "line_max": 7,
     }
+    waits = table.report()["tasks"]["t.one"]
+    assert (waits["wait_mean_s"], waits["wait_longest_s"]) == (1.5, 2.5)
     assert stats.table_for(app) is table

@@ -63,6 +63,8 @@ def collect(app: Any, timeout: float) -> Activity:
                 value = int(counts.get(name, 0))
                 row[name] += value
                 worker[name] += value
+            # Fair requeue: the longest any call of the task waited in line.
+            row["wait_max_ms"] = max(row.get("wait_max_ms", 0), int(counts.get("wait_max_ms", 0)))
     return activity
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -34,11 +35,15 @@ def wait_started(db9: redis.Redis, prefix: str, task_id: str, count: int = 1) ->
     return started(db9, prefix, task_id)[count - 1]
 
 
-def deleted_before_expiry(db9: redis.Redis, key: str, timeout: float = 30) -> None:
-    """Wait until ``key`` is gone; fail unless it was deleted while its TTL had time left.
+def deleted_before_expiry(
+    db9: redis.Redis, key: str, action: Callable[[], object], timeout: float = 30
+) -> None:
+    """Run ``action``, then wait until ``key`` is gone; fail unless it was deleted with TTL left.
 
-    Both ends are read on the Redis server's clock (``TIME`` beside each
-    ``PTTL``), so a slow test process cannot mistake an expiry for a release.
+    ``key``'s expiry is read once before ``action`` (which may release it at
+    once) and again on every poll. Both ends are read on the Redis server's
+    clock (``TIME`` beside each ``PTTL``), so a slow test process cannot
+    mistake an expiry for a release.
     """
     expires_ms: list[int] = []
 
@@ -51,10 +56,12 @@ def deleted_before_expiry(db9: redis.Redis, key: str, timeout: float = 30) -> No
         if ttl >= 0:
             expires_ms.append(now_ms + ttl)
             return False
-        assert expires_ms, f"{key} was gone before it could be watched"
+        assert expires_ms, f"{key} was not held when the watch began"
         assert now_ms < expires_ms[-1], f"{key} ran out its TTL instead of being released"
         return True
 
+    assert not gone()
+    action()
     wait_until(gone, timeout=timeout, interval=0.02, message=f"{key} to be released")
 
 
@@ -102,8 +109,11 @@ def test_revoke_with_terminate_releases_and_a_duplicate_then_runs(
     gate = f"{prefix}:gate:{uuid.uuid4().hex}"
     first = task.delay(1, 0, gate)
     wait_started_via_lock(db9, task.lock_key_for(1, 0, gate))
-    storm_app.control.revoke(first.id, terminate=True)
-    deleted_before_expiry(db9, task.lock_key_for(1, 0, gate))
+    deleted_before_expiry(
+        db9,
+        task.lock_key_for(1, 0, gate),
+        lambda: storm_app.control.revoke(first.id, terminate=True),
+    )
     db9.set(gate, 1)
     assert task.delay(1, 0, gate).get(timeout=20) == 1
 
