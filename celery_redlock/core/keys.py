@@ -7,7 +7,8 @@ Decimals and bytes are encoded the way kombu's JSON serializer sends them, so a
 key computed from the caller's objects equals the one computed in the worker
 from the decoded message. Keys look like ``<prefix>:v1:{<task>:<sha256>}``: the
 version lets a future format live beside this one, and the hash tag keeps the
-lock key and its fence key in one Redis Cluster slot.
+lock key and the keys beside it (a semaphore's permits, a reservation) in one
+Redis Cluster slot, the slot whose fence counter it draws from.
 """
 
 from __future__ import annotations

@@ -245,9 +245,15 @@ class Script:
         """
         return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
-    def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
-        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
-        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+    def queue(
+        self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg], **options: Any
+    ) -> None:
+        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``.
+
+        ``options`` go to the pipeline's ``execute_command`` (a Cluster
+        pipeline's ``target_nodes``).
+        """
+        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args, **options)
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"
