@@ -12,8 +12,8 @@ from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
 from . import publish
-from .guard import called_inside, guarding
 from .guards import guard_for
+from .inside import called_inside, guarding
 from .install import connect_worker
 from .newest import NewestGuard, publish_newest
 from .queues import locked_queue
