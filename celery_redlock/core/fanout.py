@@ -19,128 +19,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
-from redis._parsers import hiredis as redis_hiredis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .nodes import Connected, Node
+from .sockets import INCOMPLETE, NOT_ENOUGH_DATA, PREFETCH_SIZE, prefetch, ready_reply, send
 from .wire import Request
 
 __all__ = ["NOT_ASKED", "PENDING", "Round", "Settle"]
 
-#: Most bytes moved from a readable socket into its reader at once.
-PREFETCH_SIZE = 65536
 #: How often a caller waiting on both sockets and background jobs checks the jobs.
 JOB_POLL = 0.001
 #: Most times the follow-up of a request run through a client is tried while it
 #: fails (a hung master times each try out: a few node timeouts in all).
 FOLLOW_UP_TRIES = 5
 
-# What a hiredis reader of redis-py returns while a reply is incomplete (False
-# before redis-py 5.1 made it a sentinel of its own).
-_NOT_ENOUGH_DATA = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
-
-#: :func:`ready_reply`'s answer while a reply is still on its way.
-INCOMPLETE = object()
 #: Outcome of a master asked but not heard from (yet).
 PENDING = object()
 #: Outcome of a master this round did not ask.
 NOT_ASKED = object()
 #: ``settle(master index, reply or error)``: ``True`` once the round is decided.
 Settle = Callable[[int, Any], bool]
-
-
-def send(conn: Any, packed: Any) -> int:
-    """Write a packed command (a list of chunks, as redis-py packs it) to ``conn``; return its fd.
-
-    A socket with a timeout is non-blocking underneath, and Python polls it
-    before every ``send()``; one ``write()`` without that poll nearly always
-    takes the whole command, because a command is far smaller than the socket
-    buffer. What it does not take goes through redis-py, timeout and all.
-
-    Raises:
-        redis.exceptions.ConnectionError: If the socket fails (closed by the server).
-    """
-    sock = conn._sock
-    if sock is None or sock.timeout is None or len(packed) != 1:
-        conn.send_packed_command(packed, check_health=False)
-        return int(conn._sock.fileno())
-    data = packed[0]
-    fd: int = sock.fileno()
-    try:
-        sent = os.write(fd, data)
-    except BlockingIOError:
-        sent = 0
-    except OSError as exc:
-        conn.disconnect()
-        raise redis.ConnectionError(f"Error {exc.errno} while writing to socket: {exc}") from exc
-    if sent < len(data):
-        conn.send_packed_command([data[sent:]], check_health=False)
-    return fd
-
-
-def prefetch(conn: Any, fd: int) -> Any:
-    """Move what a readable socket holds into ``conn``'s hiredis reader, without a poll.
-
-    The caller's ``poll()`` said the socket is readable, so the extra poll
-    Python makes before a ``recv()`` on a socket with a timeout is wasted.
-    :func:`ready_reply` then takes whole replies from the reader; the rest of
-    an incomplete one is waited for with ``poll()`` again.
-
-    Returns:
-        The hiredis reader, or ``None`` for a connection without one (left to
-        ``read_response()``).
-
-    Raises:
-        redis.exceptions.ConnectionError: If the server closed the connection.
-    """
-    reader = getattr(conn._parser, "_reader", None)
-    sock = conn._sock
-    if reader is None or sock is None or sock.timeout is None:
-        return None
-    try:
-        data = os.read(fd, PREFETCH_SIZE)
-    except BlockingIOError:
-        return reader
-    except OSError as exc:
-        conn.disconnect()
-        raise redis.ConnectionError(f"Error while reading from socket: {exc}") from exc
-    if not data:
-        conn.disconnect()
-        raise redis.ConnectionError("Connection closed by server.")
-    reader.feed(data)
-    return reader
-
-
-def ready_reply(conn: Any, reader: Any) -> Any:
-    """Return ``conn``'s next reply if it has arrived whole, else :data:`INCOMPLETE`.
-
-    With a hiredis ``reader`` (filled by :func:`prefetch`) the reply is taken
-    straight from it, as ``conn.read_response()`` would, without its layers of
-    per-call bookkeeping (a third of the client's CPU per reply): error replies
-    raise, and a connection-level one (``LOADING``...) closes the connection
-    first. Never blocks: the rest of an incomplete reply is waited for with
-    ``poll()``, within the round's deadline. Without a reader,
-    ``read_response()`` reads it if the socket has data.
-
-    Raises:
-        redis.exceptions.ResponseError: For an error reply.
-        redis.exceptions.RedisError: If the connection fails.
-    """
-    if reader is None:
-        return conn.read_response() if conn.can_read(0) else INCOMPLETE
-    try:
-        reply = reader.gets()
-    except BaseException:
-        # A protocol error leaves the stream unreadable, as redis-py has it.
-        conn.disconnect()
-        raise
-    if reply is _NOT_ENOUGH_DATA:
-        return INCOMPLETE
-    if isinstance(reply, BaseException):
-        if isinstance(reply, redis.ConnectionError):
-            conn.disconnect()
-        raise reply
-    return reply
 
 
 class Round:
@@ -178,19 +76,37 @@ class Round:
         self._retried: set[int] = set()
         # Failures met while sending, reported to the first collect().
         self._failed: list[int] = []
+        reading, register = self._reading, self._poll.register
         for i, request in enumerate(requests):
             if request is None:
                 continue
             node = nodes[i]
-            taken = None
+            taken: tuple[Any, int] | None = None
             if node.pollable:
                 claim = claims.get(i) if claims else None
                 owed = node.claim(claim) if claim is not None else None
                 taken = (claim, owed) if owed is not None else node.checkout()
             if taken is None:
                 self._start(i)
-            else:
-                self._write(i, taken[0], taken[1], True, request.packed(taken[0], node))
+                continue
+            conn, skip = taken
+            packed = request.packed(conn, node)
+            sock = conn._sock
+            # What send() does, inline for the common case (one write takes it
+            # all): per master and round, calls cost more client CPU than the write.
+            if sock is not None and sock.timeout is not None and len(packed) == 1:
+                data = packed[0]
+                fd = sock.fileno()
+                try:
+                    sent = os.write(fd, data)
+                except OSError:  # nothing written: send() tries again and reports
+                    sent = 0
+                if sent == len(data):
+                    reading[fd] = (i, conn, skip, True)
+                    register(fd, select.POLLIN)
+                    continue
+                packed = [data[sent:]]
+            self._write(i, conn, skip, True, packed)
 
     def _start(self, i: int) -> None:
         request = self.requests[i]
@@ -267,10 +183,50 @@ class Round:
     def _read(self, fd: int, settle: Settle) -> bool:
         i, conn, skip, reused = self._reading.pop(fd)
         self._poll.unregister(fd)
+        if not skip:
+            # What prefetch() and ready_reply() do, inline for the common case:
+            # the one reply owed, whole in one read, and not an error.
+            reader = getattr(conn._parser, "_reader", None)
+            if reader is not None and conn._sock is not None:
+                try:
+                    data = os.read(fd, PREFETCH_SIZE)
+                except OSError:  # prefetch() reads again and reports
+                    data = b""
+                if data:
+                    reader.feed(data)
+                    try:
+                        reply = reader.gets()
+                    except BaseException as exc:
+                        # A protocol error leaves the stream unreadable, as redis-py has it.
+                        conn.disconnect()
+                        reply = exc
+                    if reply is not NOT_ENOUGH_DATA and not isinstance(reply, BaseException):
+                        node = self.nodes[i]
+                        script = self.requests[i].script  # type: ignore[union-attr]
+                        if script is not None:
+                            node.scripts.add(script.sha)
+                        node.checkin(conn)
+                        self.outcomes[i] = reply
+                        return settle(i, reply)
+                    if reply is NOT_ENOUGH_DATA:
+                        self._wait(fd, i, conn, 0, reused)
+                        return False
+                    return self._read_owed(fd, i, conn, 0, reused, settle, reply)
+        return self._read_owed(fd, i, conn, skip, reused, settle, None)
+
+    def _read_owed(
+        self, fd: int, i: int, conn: Any, skip: int, reused: bool, settle: Settle, error: Any
+    ) -> bool:
+        # The general case: replies owed before ours, or ``error``, the error
+        # reply _read() took (raised here as ready_reply() would).
         node = self.nodes[i]
         request = self.requests[i]
         assert request is not None
         try:
+            if error is not None:
+                if isinstance(error, redis.ConnectionError):
+                    conn.disconnect()
+                raise error
             reader = prefetch(conn, fd)
             while skip:
                 # Replies to earlier requests on this connection come first.
