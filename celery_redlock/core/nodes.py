@@ -225,11 +225,12 @@ class Node:
         """
         if self._generation != _generation:
             self._reset()
-        if not self._parked:
-            # The common case, without the lock: list.pop() is atomic.
-            try:
-                return self._idle.pop(), 0
-            except IndexError:
+        # The common case, without the lock (list.pop() is atomic): an idle
+        # connection comes before any parked one anyway.
+        try:
+            return self._idle.pop(), 0
+        except IndexError:
+            if not self._parked:
                 return None
         with self._guard:
             if self._idle:
