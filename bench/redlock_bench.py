@@ -152,6 +152,7 @@ def run(clients: list[redis.Redis], ports: list[int], args: argparse.Namespace) 
 def summarize(blocks: dict[str, list[Any]]) -> dict[str, Any]:
     rows: dict[str, dict[str, float]] = {}
     single_means = [statistics.fmean(b.latencies_ns) for b in blocks[SINGLE]]
+    floor_p50s = [statistics.median(b.latencies_ns) for b in blocks[FLOOR_FIVE]]
     for name, runs in blocks.items():
         pooled = sorted(ns for block in runs for ns in block.latencies_ns)
         means = [statistics.fmean(b.latencies_ns) for b in runs]
@@ -162,6 +163,10 @@ def summarize(blocks: dict[str, list[Any]]) -> dict[str, Any]:
             "p99_us": percentile_us(pooled, 0.99),
             # Same round, same machine state: the ratio that noise disturbs least.
             "paired_latency_ratio": statistics.median(m / s for m, s in zip(means, single_means)),
+            # This round's p50 over the 5-master floor's in the same round.
+            "floor_p50_ratio": statistics.median(
+                statistics.median(b.latencies_ns) / f for b, f in zip(runs, floor_p50s)
+            ),
             "client_cpu_us": statistics.median(b.cpu_us_per_cycle for b in runs),
             "server_cpu_us": statistics.median(b.server_cpu_us_per_cycle for b in runs),
         }
@@ -183,14 +188,17 @@ def render(
     throughput = five["cycles_per_s"] / pottery["cycles_per_s"]
     table = [
         "| contender | cycles/s | p50 µs | p99 µs | x Lock p50 | x Lock (paired) "
+        "| x 5-master floor p50 (paired) "
         "| client CPU µs/cycle (user + sys) | server CPU µs/cycle (all masters) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     parameters = [
         f"- {single['rounds']:.0f} rounds x {args.cycles} cycles per contender "
         f"(after {args.warmup} warm-up cycles)",
         "- cycles/s: median over rounds; p50/p99: pooled per-cycle latencies",
         "- x Lock (paired): median over rounds of mean latency / Lock's in the same round",
+        "- x 5-master floor p50 (paired): median over rounds of the round's p50 / the "
+        "raw fan-out floor's p50 in the same round",
     ]
     lines = [
         "# Redlock benchmark results\n",
@@ -206,6 +214,7 @@ def render(
         lines.append(
             f"| {name} | {row['cycles_per_s']:,.0f} | {row['p50_us']:.1f} | {row['p99_us']:.1f} "
             f"| {row['p50_ratio']:.2f} | {row['paired_latency_ratio']:.2f} "
+            f"| {row['floor_p50_ratio']:.2f} "
             f"| {row['client_cpu_us']:.1f} ({row['client_user_us']:.0f} + "
             f"{row['client_sys_us']:.0f}) | {row['server_cpu_us']:.1f} |"
         )
