@@ -195,16 +195,11 @@ class TaskGuard(Guard[Any]):
         }
 
     def acquired(self, call: Call, lease: Lease) -> None:
-        """Log the acquisition and send ``lock_acquired``."""
+        """Log and count the acquisition; send ``lock_acquired`` to its receivers."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s acquired", lease.describe())
-        signals.lock_acquired.send(
-            sender=self.task,
-            task_id=call.call_id,
-            key=call.key,
-            fence=lease.fence,
-            ttl=self.options.ttl,
-            waited=waited(call.place),
+        signals.send_acquired(
+            self.task, call.call_id, call.key, lease.fence, self.options.ttl, waited(call.place)
         )
 
     def starting(self, call: Call, lease: Lease) -> None:
@@ -214,30 +209,18 @@ class TaskGuard(Guard[Any]):
             raise Ignore()
 
     def release(self, call: Call, lock: Any, lease: Lease) -> bool:
-        """Release, then send ``lock_released`` with whether the lock was still this run's.
+        """Release, then count it and send ``lock_released`` (was the lock still this run's).
 
         Runs in the finally of the task body: before Celery stores the result,
         so a caller that sees the result can enqueue the same call at once.
         """
         owned = super().release(call, lock, lease)
-        signals.lock_released.send(
-            sender=self.task,
-            task_id=self.task.request.id,
-            key=lease.name,
-            fence=lease.fence,
-            owned=owned,
-        )
+        signals.send_released(self.task, call.call_id, lease.name, lease.fence, owned)
         return owned
 
     def _report_lost(self, lease: Lease, task_id: str | None) -> None:
         # Runs on the watchdog thread; the lease has already logged the loss.
-        signals.lock_lost.send(
-            sender=self.task,
-            task_id=task_id,
-            key=lease.name,
-            fence=lease.fence,
-            reason=lease.loss_reason,
-        )
+        signals.send_lost(self.task, task_id, lease.name, lease.fence, lease.loss_reason)
 
     def refused(self, call: Call, lock: Any) -> NoReturn:
         """Skip, requeue or raise as ``on_conflict`` says; wait for an own earlier delivery."""
@@ -290,14 +273,14 @@ class TaskGuard(Guard[Any]):
             key,
             action,
         )
-        signals.lock_contended.send(
-            sender=task,
-            task_id=request.id,
-            key=key,
-            holder=refusal.holder.task_id if refusal.holder else None,
-            action=action,
-            attempt=attempt,
-            line=refusal.waiting if refusal.rank is not None else None,
+        signals.send_contended(
+            task,
+            request.id,
+            key,
+            refusal.holder.task_id if refusal.holder else None,
+            action,
+            attempt,
+            refusal.waiting if refusal.rank is not None else None,
         )
 
     def _requeue(

@@ -135,8 +135,7 @@ def enable(app: Any, processes: int) -> WaitTable:
     uid = "celery-redlock-metrics"
     celery_signals.task_prerun.connect(_on_prerun, weak=False, dispatch_uid=uid)
     celery_signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid=uid)
-    signals.lock_acquired.connect(_on_acquired, weak=False, dispatch_uid=uid)
-    signals.lock_released.connect(_on_released, weak=False, dispatch_uid=uid)
+    signals.count_with(_COUNTERS)
     return table
 
 
@@ -189,18 +188,21 @@ def _on_postrun(sender: Any = None, task_id: str | None = None, **kwargs: Any) -
         _run_started.pop(task_id, None)
 
 
-def _on_acquired(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
-    table = _table_of(sender)
+def _on_acquired(task: Any, task_id: str | None, waited: float | None) -> None:
+    table = _table_of(task)
     if table is None:
         return
     started = _run_started.pop(task_id, None) if task_id is not None else None
     if started is None:  # no task_prerun: not a worker's run, no wait to tell
-        table.taken(sender.name)
+        table.taken(task.name)
     else:
-        table.observe(sender.name, time.monotonic() - started, taken=True)
+        table.observe(task.name, time.monotonic() - started, taken=True)
 
 
-def _on_released(sender: Any = None, **kwargs: Any) -> None:
-    table = _table_of(sender)
+def _on_released(task: Any, owned: bool) -> None:
+    table = _table_of(task)
     if table is not None:
-        table.ended(sender.name)
+        table.ended(task.name)
+
+
+_COUNTERS = signals.Counters(acquired=_on_acquired, released=_on_released)
