@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
@@ -74,9 +75,11 @@ def requeuing() -> bool:
 class TaskCall(Call):
     """A task's call: also whether it is a copy that met its own task's lock (read once)."""
 
-    __slots__ = ("met_itself",)
+    __slots__ = ("met_itself", "started")
 
     met_itself: bool
+    #: ``time.monotonic()`` when the run began: the start of the lock wait the metrics measure.
+    started: float
 
 
 class TaskGuard(Guard[Any]):
@@ -126,6 +129,7 @@ class TaskGuard(Guard[Any]):
 
     def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
         """Describe the running request's call: its key, and the holder its lock will name."""
+        started = time.monotonic()
         task, request = self.task, self.task.request
         value = Holder.new_value(
             request.id,
@@ -135,6 +139,7 @@ class TaskGuard(Guard[Any]):
         )
         label = f"task {task.name}[{request.id}]"
         call = TaskCall(self.keys.key_for(args, kwargs), value, label, request.id)
+        call.started = started
         call.met_itself = self._met_itself(request)
         if self._in_line:
             call.place = place_for(request, self.options)
@@ -199,7 +204,13 @@ class TaskGuard(Guard[Any]):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s acquired", lease.describe())
         signals.send_acquired(
-            self.task, call.call_id, call.key, lease.fence, self.options.ttl, waited(call.place)
+            self.task,
+            call.call_id,
+            call.key,
+            lease.fence,
+            self.options.ttl,
+            waited(call.place),
+            getattr(call, "started", None),
         )
 
     def starting(self, call: Call, lease: Lease) -> None:

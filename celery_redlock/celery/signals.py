@@ -77,7 +77,9 @@ class Counters:
     """The in-process hooks of one set of built-in counters; a hook left ``None`` is not called.
 
     Attributes:
-        acquired: ``(task, task_id, waited)`` once a call holds its lock.
+        acquired: ``(task, started, waited)`` once a call holds its lock: ``started``
+            is the ``time.monotonic()`` at which its run began (``None``: unknown),
+            ``waited`` as in :data:`lock_acquired`.
         contended: ``(task, action, line)`` when another call holds it.
         released: ``(task, owned)`` after the release.
         lost: ``(task,)`` when the watchdog finds the lock lost.
@@ -87,7 +89,7 @@ class Counters:
 
     def __init__(
         self,
-        acquired: Callable[[Any, Any, float | None], None] | None = None,
+        acquired: Callable[[Any, float | None, float | None], None] | None = None,
         contended: Callable[[Any, str, int | None], None] | None = None,
         released: Callable[[Any, bool], None] | None = None,
         lost: Callable[[Any], None] | None = None,
@@ -100,7 +102,7 @@ class Counters:
 
 # One list per event, of the hooks registered for it: the guard walks a list,
 # so an event no counter wants costs a loop over nothing.
-_acquired: list[Callable[[Any, Any, float | None], None]] = []
+_acquired: list[Callable[[Any, float | None, float | None], None]] = []
 _contended: list[Callable[[Any, str, int | None], None]] = []
 _released: list[Callable[[Any, bool], None]] = []
 _lost: list[Callable[[Any], None]] = []
@@ -127,12 +129,22 @@ def _hook_failed(event: str) -> None:
 
 
 def send_acquired(
-    task: Any, task_id: Any, key: str, fence: int | None, ttl: float, waited: float | None
+    task: Any,
+    task_id: Any,
+    key: str,
+    fence: int | None,
+    ttl: float,
+    waited: float | None,
+    started: float | None = None,
 ) -> None:
-    """Count an acquisition, and send :data:`lock_acquired` if a receiver is connected."""
+    """Count an acquisition, and send :data:`lock_acquired` if a receiver is connected.
+
+    ``started``: the ``time.monotonic()`` at which the call's run began, for the
+    lock wait the metrics measure (not part of the signal).
+    """
     try:
         for hook in _acquired:
-            hook(task, task_id, waited)
+            hook(task, started, waited)
     except Exception:
         _hook_failed("lock_acquired")
     # Signal.receivers is the live list connect and disconnect edit: a receiver

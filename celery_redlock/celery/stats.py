@@ -221,7 +221,7 @@ def _count(task: Any, counter: int) -> None:
         table.add(task.name, counter)
 
 
-def _on_acquired(task: Any, task_id: Any, waited: float | None) -> None:
+def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
     _count(task, _ACQUIRED)
     if waited is not None:
         table = _table_of(task)

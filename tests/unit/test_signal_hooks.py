@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from celery import Celery
@@ -81,3 +82,7 @@ def test_a_receiver_connected_after_the_counters_gets_every_event_and_counts_sta
     )
     assert waits.snapshot()[1] == {"t.hooked": 0}  # four holds taken, four ended
     assert waits.totals()["t.hooked"]["taken"] == 4
+    # A run that timed its start lands in the lock wait histogram (0.25 s wait).
+    signals.send_acquired(task, "timed", "k", 6, 2.0, None, time.monotonic() - 0.25)
+    histogram = waits.snapshot()[0]["t.hooked"]
+    assert histogram["count"] == 1 and histogram["sum"] >= 0.25
