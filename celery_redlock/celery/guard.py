@@ -46,7 +46,7 @@ from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
-from . import signals
+from . import events
 from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 from .queueing import in_line, line_header, place_for, seen_in_line, waited
 from .result import SKIPPED, already_done
@@ -203,7 +203,7 @@ class TaskGuard(Guard[Any]):
         """Log and count the acquisition; send ``lock_acquired`` to its receivers."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s acquired", lease.describe())
-        signals.send_acquired(
+        events.send_acquired(
             self.task,
             call.call_id,
             call.key,
@@ -226,12 +226,12 @@ class TaskGuard(Guard[Any]):
         so a caller that sees the result can enqueue the same call at once.
         """
         owned = super().release(call, lock, lease)
-        signals.send_released(self.task, call.call_id, lease.name, lease.fence, owned)
+        events.send_released(self.task, call.call_id, lease.name, lease.fence, owned)
         return owned
 
     def _report_lost(self, lease: Lease, task_id: str | None) -> None:
         # Runs on the watchdog thread; the lease has already logged the loss.
-        signals.send_lost(self.task, task_id, lease.name, lease.fence, lease.loss_reason)
+        events.send_lost(self.task, task_id, lease.name, lease.fence, lease.loss_reason)
 
     def refused(self, call: Call, lock: Any) -> NoReturn:
         """Skip, requeue or raise as ``on_conflict`` says; wait for an own earlier delivery."""
@@ -284,7 +284,7 @@ class TaskGuard(Guard[Any]):
             key,
             action,
         )
-        signals.send_contended(
+        events.send_contended(
             task,
             request.id,
             key,

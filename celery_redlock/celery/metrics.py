@@ -29,7 +29,7 @@ import time
 import weakref
 from typing import Any
 
-from . import signals
+from . import events
 from .reaper import REASONS
 from .stats import StatsTable
 
@@ -129,7 +129,7 @@ def enable(app: Any, processes: int) -> WaitTable:
     :func:`celery_redlock.celery.stats.enable`.
     """
     table = _tables[app] = WaitTable(app.tasks.keys(), processes)
-    signals.count_with(_COUNTERS)
+    events.count_with(_COUNTERS)
     return table
 
 
@@ -188,4 +188,4 @@ def _on_released(task: Any, owned: bool) -> None:
         table.ended(task.name)
 
 
-_COUNTERS = signals.Counters(acquired=_on_acquired, released=_on_released)
+_COUNTERS = events.Counters(acquired=_on_acquired, released=_on_released)

@@ -10,7 +10,7 @@ additions per task: no Redis command, no message.
 
 The counts follow celery-redlock's lock events (those of the signals
 ``lock_acquired``, ``lock_contended``, ``lock_released``, ``lock_lost``), taken
-from the guard through :func:`~celery_redlock.celery.signals.count_with`
+from the guard through :func:`~celery_redlock.celery.events.count_with`
 hooks rather than as receivers, and start at zero when the worker starts.
 Beside the :data:`COUNTERS`, :data:`WAIT_COUNTERS` measure fair requeue (see
 docs/conflicts.md): how many calls were admitted after waiting in line, their
@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import signals
+from . import events
 
 __all__ = [
     "COUNTERS",
@@ -199,7 +199,7 @@ def enable(app: Any, processes: int) -> StatsTable:
     """
     _disabled.pop(app, None)
     table = _tables[app] = StatsTable(app.tasks.keys(), processes)
-    signals.count_with(_COUNTERS)
+    events.count_with(_COUNTERS)
     return table
 
 
@@ -256,4 +256,4 @@ def _on_lost(task: Any) -> None:
     _count(task, _LOST)
 
 
-_COUNTERS = signals.Counters(_on_acquired, _on_contended, _on_released, _on_lost)
+_COUNTERS = events.Counters(_on_acquired, _on_contended, _on_released, _on_lost)

@@ -7,7 +7,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_redlock.celery import metrics, signals, stats
+from celery_redlock.celery import events, metrics, signals, stats
 
 
 def test_a_receiver_connected_after_the_counters_gets_every_event_and_counts_stay_exact():
@@ -30,10 +30,10 @@ def test_a_receiver_connected_after_the_counters_gets_every_event_and_counts_sta
         return receive
 
     def one_of_each(task_id: str) -> None:
-        signals.send_acquired(task, task_id, "k", 5, 2.0, None)
-        signals.send_contended(task, task_id, "k", "h", "skip", 1, None)
-        signals.send_lost(task, task_id, "k", 5, "expired")
-        signals.send_released(task, task_id, "k", 5, True)
+        events.send_acquired(task, task_id, "k", 5, 2.0, None)
+        events.send_contended(task, task_id, "k", "h", "skip", 1, None)
+        events.send_lost(task, task_id, "k", 5, "expired")
+        events.send_released(task, task_id, "k", 5, True)
 
     one_of_each("before")  # no receiver yet: counted, nothing dispatched
     receivers = {name: receiver(name) for name in ("acquired", "contended", "lost", "released")}
@@ -83,6 +83,6 @@ def test_a_receiver_connected_after_the_counters_gets_every_event_and_counts_sta
     assert waits.snapshot()[1] == {"t.hooked": 0}  # four holds taken, four ended
     assert waits.totals()["t.hooked"]["taken"] == 4
     # A run that timed its start lands in the lock wait histogram (0.25 s wait).
-    signals.send_acquired(task, "timed", "k", 6, 2.0, None, time.monotonic() - 0.25)
+    events.send_acquired(task, "timed", "k", 6, 2.0, None, time.monotonic() - 0.25)
     histogram = waits.snapshot()[0]["t.hooked"]
     assert histogram["count"] == 1 and histogram["sum"] >= 0.25

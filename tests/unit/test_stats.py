@@ -76,7 +76,7 @@ def test_lock_events_land_in_their_counters():
     """Each lock event the guard sends adds to its counter, but not a release of a lost lock."""
     from celery import Celery
 
-    from celery_redlock.celery import signals, stats
+    from celery_redlock.celery import events, stats
 
     app = Celery("stats-signals", set_as_current=False)
 
@@ -86,15 +86,15 @@ def test_lock_events_land_in_their_counters():
 
     task = app.tasks["t.one"]
     table = stats.enable(app, processes=1)
-    signals.send_acquired(task, "i", "k", 1, 1.0, None)
-    signals.send_acquired(task, "j", "k", 3, 1.0, 2.5)
-    signals.send_acquired(task, "k", "k", 4, 1.0, 0.5)
+    events.send_acquired(task, "i", "k", 1, 1.0, None)
+    events.send_acquired(task, "j", "k", 3, 1.0, 2.5)
+    events.send_acquired(task, "k", "k", 4, 1.0, 0.5)
     for action in ("skip", "skip", "requeue", "raise"):
-        signals.send_contended(task, "i", "k", None, action, 0, None)
-    signals.send_contended(task, "j", "k", None, "requeue", 0, 7)
-    signals.send_lost(task, "i", "k", 1, "expired")
-    signals.send_released(task, "i", "k", 1, False)
-    signals.send_released(task, "i", "k", 2, True)
+        events.send_contended(task, "i", "k", None, action, 0, None)
+    events.send_contended(task, "j", "k", None, "requeue", 0, 7)
+    events.send_lost(task, "i", "k", 1, "expired")
+    events.send_released(task, "i", "k", 1, False)
+    events.send_released(task, "i", "k", 2, True)
     assert table.totals()["t.one"] == {
         "acquired": 3,
         "skipped": 2,
