@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from celery_redlock import Lock, Semaphore
-from celery_redlock.core.queue_scripts import Place, queue_keys
+from celery_redlock.core.lock_options import fence_key_for
+from celery_redlock.core.queue_scripts import FAIR_ACQUIRE, Place, queue_keys
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +130,32 @@ def test_semaphore_admits_the_first_limit_waiters_in_arrival_order(r: redis.Redi
     holders[1].release()
     assert not waiters[2].acquire(token="w2c", place=place("w2"))
     assert waiters[1].acquire(token="w1c", place=place("w1"))
+
+
+def _resend(
+    r: redis.Redis, name: str, token: str, member: str, arrival: int | None = None
+) -> object:
+    """FAIR_ACQUIRE sent as a resend (ARGV[4] "1") after a reply that never came."""
+    keys = (name, fence_key_for(name), *queue_keys(name))
+    args = FAIR_ACQUIRE.resend((token, 5000, 60000, "0", "0", *place(member, arrival).args()))
+    return FAIR_ACQUIRE(r, keys, args)
+
+
+def test_a_resend_does_not_jump_the_line(r: redis.Redis) -> None:
+    """A resend whose first send never ran (or was refused) takes a free key only in its
+    turn: an older present waiter is still next, and a waiter admitted by a resend leaves
+    the line."""
+    name = "q:{resend}"
+    holder = lock(r, name)
+    assert holder.acquire(token="h", place=place("h"))
+    old = lock(r, name)
+    assert not old.acquire(token="o", place=place("old"))
+    arrival = old.refusal.arrival_us
+    holder.release()
+    assert isinstance(_resend(r, name, "n", "new"), list)
+    assert r.get(name) is None
+    assert isinstance(_resend(r, name, "o2", "old", arrival), int)
+    assert r.get(name) == b"o2"
+    assert r.zscore(queue_keys(name)[0], "old") is None
+    # The first send took it and its reply was lost: the resend finds it ours.
+    assert isinstance(_resend(r, name, "o2", "old", arrival), int)
