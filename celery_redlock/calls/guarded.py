@@ -162,10 +162,7 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         return _run_rated(guard, call, call.rate_key, body)
     try:
         lock = guard.new_lock(call)
-        if call.place is None:
-            acquired = lock.acquire(token=call.token)
-        else:
-            acquired = lock.acquire(token=call.token, place=call.place)
+        acquired = _acquire(lock, call)
     except RedisError as exc:
         return run_unprotected(guard, call, exc, body)
     if not acquired:
@@ -178,6 +175,13 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
             return body()
     finally:
         guard.release(call, lock, lease)
+
+
+def _acquire(lock: Any, call: Call) -> bool:
+    """One attempt at ``call``'s lock: in line when the call has a place (may raise RedisError)."""
+    if call.place is None:
+        return bool(lock.acquire(token=call.token))
+    return bool(lock.acquire(token=call.token, place=call.place))
 
 
 def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], T]) -> T:
@@ -195,10 +199,7 @@ def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], 
             verdict = limiter.acquire(rate_key, call.call_id)
             if verdict.admitted:
                 lock = guard.new_lock(call)
-                if call.place is None:
-                    acquired = lock.acquire(token=call.token)
-                else:
-                    acquired = lock.acquire(token=call.token, place=call.place)
+                acquired = _acquire(lock, call)
         except RedisError as exc:
             return run_unprotected(guard, call, exc, body)
         if verdict.admitted:

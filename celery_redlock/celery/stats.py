@@ -111,23 +111,22 @@ class StatsTable:
         self._base = slot * self._width
         return self._base
 
-    def add(self, task: str, counter: int, amount: int = 1) -> None:
-        """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
+    def _cell(self, task: str, counter: int) -> int:
         row = self._rows.get(task)
         if row is None:
             row = self._rows[OTHER_TASKS]
         base = self._base if self._base is not None else self._own_base()
-        cell = base + row * len(self.counters) + counter
+        return base + row * len(self.counters) + counter
+
+    def add(self, task: str, counter: int, amount: int = 1) -> None:
+        """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
+        cell = self._cell(task, counter)
         with self._lock:
             self._cells[cell] += amount
 
     def raise_to(self, task: str, counter: int, value: int) -> None:
         """Raise ``counter`` of ``task`` to ``value`` if it is below (a maximum, not a count)."""
-        row = self._rows.get(task)
-        if row is None:
-            row = self._rows[OTHER_TASKS]
-        base = self._base if self._base is not None else self._own_base()
-        cell = base + row * len(self.counters) + counter
+        cell = self._cell(task, counter)
         with self._lock:
             if self._cells[cell] < value:
                 self._cells[cell] = value
