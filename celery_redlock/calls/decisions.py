@@ -40,6 +40,7 @@ __all__ = [
     "rate_wait",
     "requeue_countdown",
     "requeue_delay",
+    "requeues_charged",
 ]
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,33 @@ def fair_countdown(
     else:
         delay = min(requeue_delay(options, attempt, draw), turns * options.requeue_delay)
     return max(poll, min(delay, options.requeue_max_delay))
+
+
+def requeues_charged(options: LockOptions, requeues: int, refusal: Refusal) -> int:
+    """How many requeues a refused call is charged against ``max_requeues``.
+
+    A call waiting in line (``refusal.rank`` set) polls much more often than
+    the backoff would requeue it (the next waiter every quarter second), so it
+    is charged by how long it has waited since it joined the line: as many
+    requeues as the plain backoff, without jitter, would have made in that
+    time. It gives up no sooner than it would have without the line. Any
+    other call is charged its ``requeues`` so far.
+    """
+    if refusal.rank is None or refusal.arrival_us is None or refusal.now_ms is None:
+        return requeues
+    waited = refusal.now_ms / 1000 - refusal.arrival_us / 1_000_000
+    charged, spent = 0, 0.0
+    while charged < options.max_requeues:
+        delay = requeue_delay(options, charged + 1, 0.0)
+        if delay >= options.requeue_max_delay or charged > 40:
+            # From here on every countdown is the same: the rest in one step.
+            charged += max(0, int((waited - spent) // delay))
+            break
+        if spent + delay > waited:
+            break
+        spent += delay
+        charged += 1
+    return min(charged, options.max_requeues)
 
 
 def log_store_failure(
