@@ -18,7 +18,12 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import LockNotAcquired, RateLimited, ReplicationError
+from celery_redlock.core.exceptions import (
+    ConfigurationError,
+    LockNotAcquired,
+    RateLimited,
+    ReplicationError,
+)
 from celery_redlock.core.holder import Refusal
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.rate import Rate, RateVerdict
@@ -273,9 +278,13 @@ def rate_keys(
     (``rate_key`` and ``key`` for the decorator and RQ).
 
     Raises:
-        ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run`` does not take.
+        ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run``
+            does not take; for the decorator and RQ (``option`` ``"rate_key"``,
+            which have no other source of a rate), if ``rate_key`` comes without a rate.
     """
     if options.rate is None:
+        if options.rate_key is not None and option == "rate_key":
+            raise ConfigurationError(option, options.rate_key, "needs a rate (rate=...)")
         return None
     prefix = f"{options.key_prefix}:rate"
     if options.rate_key is None:
