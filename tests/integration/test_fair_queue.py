@@ -159,3 +159,14 @@ def test_a_resend_does_not_jump_the_line(r: redis.Redis) -> None:
     assert r.zscore(queue_keys(name)[0], "old") is None
     # The first send took it and its reply was lost: the resend finds it ours.
     assert isinstance(_resend(r, name, "o2", "old", arrival), int)
+
+
+def test_a_bytes_name_makes_its_usual_attempt(r: redis.Redis) -> None:
+    """A lock named by bytes (which redis-py accepts) is not queued, but does not fail."""
+    name = b"q:{bytes}"
+    first = Lock(r, name, timeout=5, blocking=False)
+    assert first.acquire(token="t1", place=place("c1"))
+    second = Lock(r, name, timeout=5, blocking=False)
+    assert not second.acquire(token="t2", place=place("c2"))
+    first.release()
+    assert second.acquire(token="t3", place=place("c2"))
