@@ -170,3 +170,31 @@ def test_a_bytes_name_makes_its_usual_attempt(r: redis.Redis) -> None:
     assert not second.acquire(token="t2", place=place("c2"))
     first.release()
     assert second.acquire(token="t3", place=place("c2"))
+
+
+def test_a_semaphore_waiter_that_is_not_back_in_time_does_not_hold_a_permit(
+    r: redis.Redis,
+) -> None:
+    """As for a lock: a free permit waits only for the present waiters ahead; an absent
+    one keeps its place for its return."""
+    name = "q:{sabsent}"
+
+    def sem() -> Semaphore:
+        return Semaphore(r, name, limit=1, timeout=5, blocking=False)
+
+    holder = sem()
+    assert holder.acquire(token="h", place=place("h"))
+    asleep = sem()
+    assert not asleep.acquire(token="s", place=place("asleep", near=200))
+    arrival = asleep.refusal.arrival_us
+    holder.release()
+    late = sem()
+    assert not late.acquire(token="l", place=place("late"))
+    assert late.refusal.rank == 1
+    time.sleep(0.3)
+    assert late.acquire(token="l2", place=place("late"))
+    late.release()
+    blocker = sem()
+    assert blocker.acquire(token="b", place=place("b"))
+    assert not asleep.acquire(token="s2", place=place("asleep", arrival))
+    assert asleep.refusal.rank == 0
