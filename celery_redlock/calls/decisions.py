@@ -130,14 +130,22 @@ def gave_up(
     refusal: Refusal,
     unreachable: RedisError | None = None,
 ) -> LockNotAcquired:
-    """The error of a call that used up its requeues (to a holder, or to an unreachable store)."""
+    """The error of a call that used up its requeues (to a holder, or to an unreachable store).
+
+    A call waiting in line is charged by its wait (:func:`requeues_charged`):
+    the message then says how long it waited.
+    """
     why = (
         f"the lock store kept failing for {key} ({describe_error(unreachable)})"
         if unreachable is not None
         else f"lock {key} stayed held by {refusal.holder_id or 'another holder'}"
     )
+    spent = f"{max_requeues} requeues"
+    if refusal.rank is not None and refusal.arrival_us is not None and refusal.now_ms:
+        waited = refusal.now_ms / 1000 - refusal.arrival_us / 1_000_000
+        spent += f" (waited {waited:.1f} s in line, what the backoff of {spent} takes)"
     error = LockNotAcquired(
-        f"{what} gave up after {max_requeues} requeues: {why}",
+        f"{what} gave up after {spent}: {why}",
         lock_name=key,
         holder=refusal.holder_id,
         holder_ttl=refusal.ttl,
