@@ -198,3 +198,15 @@ def test_a_semaphore_waiter_that_is_not_back_in_time_does_not_hold_a_permit(
     assert blocker.acquire(token="b", place=place("b"))
     assert not asleep.acquire(token="s2", place=place("asleep", arrival))
     assert asleep.refusal.rank == 0
+
+
+def test_a_blocking_semaphore_acquire_in_line_that_times_out_leaves_the_line(
+    r: redis.Redis,
+) -> None:
+    """The entry of a place is the call's member, not its token: a timeout removes it."""
+    name = "q:{stimeout}"
+    holder = Semaphore(r, name, limit=1, timeout=5, blocking=False)
+    assert holder.acquire(token="h")
+    waiter = Semaphore(r, name, limit=1, timeout=5)
+    assert not waiter.acquire(token="w", place=place("call-1"), blocking_timeout=0.05)
+    assert not any(r.zscore(key, "call-1") for key in queue_keys(name))
