@@ -83,6 +83,17 @@ POLL_CHUNK = 128
 WORKER_QUEUE_IDLE = "task_bench.idle"
 
 
+#: The worker pools the benchmark can run, as its parameters describe them.
+POOLS = {"prefork": "prefork -c 2", "solo": "solo", "threads": "threads -c 2"}
+
+
+#: What a solo run's section says instead of the storm.
+NO_STORM = (
+    "No duplicate storm: a solo worker runs one task at a time, so the storm's holder "
+    "would block every duplicate behind it."
+)
+
+
 class BenchError(RuntimeError):
     """The benchmark could not run (a server or the worker did not start, a run timed out)."""
 
@@ -150,10 +161,13 @@ def private_redis(workdir: Path, name: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def celery_worker(app: Any, env: dict[str, str], log_path: Path, node: str) -> Iterator[int]:
-    """Run the prefork worker of ``bench.task_app`` on the idle queue until the block ends."""
-    argv = [sys.executable, "-m", "celery", "-A", "bench.task_app", "worker"]
-    argv += ["-P", "prefork", "-c", "2", "--without-mingle", "--without-gossip"]
+def celery_worker(
+    app: Any, env: dict[str, str], log_path: Path, node: str, pool: str = "prefork"
+) -> Iterator[int]:
+    """Run the worker of ``bench.task_app`` (prefork, solo or threads) until the block ends."""
+    argv = [sys.executable, "-m", "celery", "-A", "bench.task_app", "worker", "-P", pool]
+    argv += [] if pool == "solo" else ["-c", "2"]
+    argv += ["--without-mingle", "--without-gossip"]
     argv += ["--without-heartbeat", "-Q", WORKER_QUEUE_IDLE, "-n", node, "-l", "WARNING"]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -624,16 +638,21 @@ def measure(args: argparse.Namespace) -> Report:
                     "storm": args.storm,
                     "warmup": args.warmup,
                     "count_tasks": args.count_tasks,
-                    "worker": "prefork -c 2, -l WARNING, default prefetch (4 x 2)",
+                    "worker": f"{POOLS[args.pool]}, -l WARNING, default prefetch",
                 },
             )
             node = f"taskbench{os.getpid()}@localhost"
-            with celery_worker(app, env, workdir / "worker.log", node) as worker_pid:
+            log = workdir / "worker.log"
+            with celery_worker(app, env, log, node, args.pool) as worker_pid:
                 bench = Bench(app, node, broker, lock, stop_key, worker_pid)
                 _log("worker ready; warming up")
                 for label, name in CONTENDERS:
                     bench.run(label, name, args.warmup)
-                bench.storm(min(args.storm, 50))
+                # A solo worker runs one task at a time: the storm's holder would
+                # block every duplicate behind it, so solo runs have no storm.
+                storms = args.pool != "solo"
+                if storms:
+                    bench.storm(min(args.storm, 50))
                 for label, name in CONTENDERS:
                     count = bench.count_under_monitor(label, name, args.count_tasks)
                     report.counts[label] = count
@@ -647,9 +666,10 @@ def measure(args: argparse.Namespace) -> Report:
                             f"round {round_no + 1}: {label}: {run.rate:,.0f} tasks/s, "
                             f"publish {run.publish_rate:,.0f}/s, states {run.states}"
                         )
-                    storm = bench.storm(args.storm)
-                    report.storms.append(storm)
-                    _log(f"round {round_no + 1}: storm {storm.rate:,.0f} dup/s {storm.states}")
+                    if storms:
+                        storm = bench.storm(args.storm)
+                        report.storms.append(storm)
+                        _log(f"round {round_no + 1}: storm {storm.rate:,.0f} dup/s {storm.states}")
                     elapsed = time.monotonic() - started
                     per_round = elapsed / (round_no + 1)
                     if round_no + 1 < args.rounds and elapsed + per_round > args.budget:
@@ -706,6 +726,45 @@ def _per(commands: dict[str, int], per: int, verbs: Sequence[str] | None = None)
     return sum(n for verb, n in commands.items() if verbs is None or verb in verbs) / per
 
 
+def _storm_summary(storms: Sequence[Storm]) -> dict[str, Any]:
+    """The skip-path figures of the storms (the median round's command counts)."""
+    storm_rows: list[dict[str, Any]] = []
+    for storm in storms:
+        lock = storm.lock_commands
+        client = {v: n for v, n in lock.items() if v in ("evalsha", "eval")}
+        lua = {v: n for v, n in lock.items() if v not in client}
+        storm_rows.append(
+            {
+                "rate": storm.rate,
+                "client": client,
+                "lua": lua,
+                "states": storm.states,
+                "broker": storm.broker_commands,
+            }
+        )
+    mid = sorted(storm_rows, key=lambda row: row["rate"])[len(storm_rows) // 2]
+    duplicates = storms[0].duplicates
+    # The holder's own acquire and release are 2 of the EVALSHAs.
+    return {
+        "duplicates": duplicates,
+        "rate": _median([row["rate"] for row in storm_rows]),
+        "rates": [round(row["rate"], 1) for row in storm_rows],
+        "client_per_dup": (_per(mid["client"], 1) - 2) / duplicates,
+        "client_total": mid["client"],
+        "lua_per_dup": _per(mid["lua"], duplicates),
+        "lua_mix": _mix(mid["lua"], duplicates),
+        "backend_writes_per_dup": _per(mid["broker"], duplicates, BACKEND_WRITES),
+        "backend_write_mix": _mix(
+            {v: n for v, n in mid["broker"].items() if v in BACKEND_WRITES}, duplicates
+        ),
+        "backend_reads_per_dup": _per(mid["broker"], duplicates, BACKEND_READS),
+        "broker_per_dup": _per(mid["broker"], duplicates),
+        "broker_mix": _mix(mid["broker"], duplicates),
+        "states": mid["states"],
+        "worker_cpu_us": _median([st.worker_cpu_seconds / st.duplicates * 1e6 for st in storms]),
+    }
+
+
 def summarize(report: Report) -> dict[str, Any]:
     """Median rates, ratios and per-task command counts per contender, and the targets."""
     by: dict[str, list[Run]] = {label: [] for label, _ in CONTENDERS}
@@ -743,42 +802,7 @@ def summarize(report: Report) -> dict[str, Any]:
         }
     for label in rows:
         rows[label]["ratio"] = rows[label]["rate"] / rows[BASELINE]["rate"]
-    storms = report.storms
-    storm_rows: list[dict[str, Any]] = []
-    for storm in storms:
-        lock = storm.lock_commands
-        client = {v: n for v, n in lock.items() if v in ("evalsha", "eval")}
-        lua = {v: n for v, n in lock.items() if v not in client}
-        storm_rows.append(
-            {
-                "rate": storm.rate,
-                "client": client,
-                "lua": lua,
-                "states": storm.states,
-                "broker": storm.broker_commands,
-            }
-        )
-    mid = sorted(storm_rows, key=lambda row: row["rate"])[len(storm_rows) // 2]
-    duplicates = storms[0].duplicates
-    # The holder's own acquire and release are 2 of the EVALSHAs.
-    storm_summary = {
-        "duplicates": duplicates,
-        "rate": _median([row["rate"] for row in storm_rows]),
-        "rates": [round(row["rate"], 1) for row in storm_rows],
-        "client_per_dup": (_per(mid["client"], 1) - 2) / duplicates,
-        "client_total": mid["client"],
-        "lua_per_dup": _per(mid["lua"], duplicates),
-        "lua_mix": _mix(mid["lua"], duplicates),
-        "backend_writes_per_dup": _per(mid["broker"], duplicates, BACKEND_WRITES),
-        "backend_write_mix": _mix(
-            {v: n for v, n in mid["broker"].items() if v in BACKEND_WRITES}, duplicates
-        ),
-        "backend_reads_per_dup": _per(mid["broker"], duplicates, BACKEND_READS),
-        "broker_per_dup": _per(mid["broker"], duplicates),
-        "broker_mix": _mix(mid["broker"], duplicates),
-        "states": mid["states"],
-        "worker_cpu_us": _median([st.worker_cpu_seconds / st.duplicates * 1e6 for st in storms]),
-    }
+    storm_summary = _storm_summary(report.storms) if report.storms else None
     red = rows[REDLOCK]
     best_incumbent = max(INCUMBENTS, key=lambda label: rows[label]["rate"])
     # SingletonTask against each incumbent in the same round: both phases.
@@ -832,6 +856,37 @@ def red_evals(runs: Sequence[Run]) -> dict[str, int]:
     for run in runs:
         total.update({v: n for v, n in run.lock_commands.items() if v in ("evalsha", "eval")})
     return dict(total)
+
+
+def _storm_lines(storm: dict[str, Any]) -> list[str]:
+    """The skip-path part of the section."""
+    return [
+        "",
+        "### Skip path: duplicate storm (SingletonTask)",
+        "",
+        f"{storm['duplicates'] + 1} copies of one `SingletonTask` call are published to a fresh "
+        "queue, then consumed: the copy that takes the lock holds it (waiting for a stop key on "
+        "the broker Redis) while the other child process skips the rest; each skip records "
+        "`SKIPPED` with `update_state` in the result backend. dup/s = (duplicates - 1) / time "
+        "from the poll that finds the first `SKIPPED` state to the poll that finds the last "
+        "(one child process does the skipping while the other holds the lock).",
+        "",
+        "| duplicates | dup/s (median) | worker CPU µs/dup | lock-store client cmds/dup "
+        "| inside Lua/dup "
+        "| backend writes/dup | backend reads/dup | all broker-Redis cmds/dup |",
+        "|---:|---:|---:|---:|---:|---|---:|---|",
+        f"| {storm['duplicates']} | {storm['rate']:,.0f} | {storm['worker_cpu_us']:,.0f} "
+        f"| {storm['client_per_dup']:g} "
+        f"(evalsha; +2 for the holder) | {storm['lua_per_dup']:g} ({storm['lua_mix']}) "
+        f"| {storm['backend_writes_per_dup']:g} ({storm['backend_write_mix']}) "
+        f"| {storm['backend_reads_per_dup']:g} (get) "
+        f"| {storm['broker_per_dup']:g} ({storm['broker_mix']}) |",
+        "",
+        f"Per-round dup/s: {', '.join(f'{r:,.0f}' for r in storm['rates'])}; "
+        f"states {storm['states']}. Broker-Redis counts exclude the harness's MGET polls and "
+        "include the transport's own commands (BRPOP, MULTI/EXEC, ZADD/HSET/ZREM/HDEL of "
+        "unacked messages) and the holder's EXISTS polls.",
+    ]
 
 
 def markdown(report: Report, summary: dict[str, Any]) -> str:
@@ -910,32 +965,8 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         rates = ", ".join(f"{rate:,.0f}" for rate in rows[label]["rates"])
         lines.append(f"- {label}: {rates} (states: {rows[label]['states']})")
     storm = summary["storm"]
+    lines += _storm_lines(storm) if storm is not None else ["", NO_STORM]
     lines += [
-        "",
-        "### Skip path: duplicate storm (SingletonTask)",
-        "",
-        f"{storm['duplicates'] + 1} copies of one `SingletonTask` call are published to a fresh "
-        "queue, then consumed: the copy that takes the lock holds it (waiting for a stop key on "
-        "the broker Redis) while the other child process skips the rest; each skip records "
-        "`SKIPPED` with `update_state` in the result backend. dup/s = (duplicates - 1) / time "
-        "from the poll that finds the first `SKIPPED` state to the poll that finds the last "
-        "(one child process does the skipping while the other holds the lock).",
-        "",
-        "| duplicates | dup/s (median) | worker CPU µs/dup | lock-store client cmds/dup "
-        "| inside Lua/dup "
-        "| backend writes/dup | backend reads/dup | all broker-Redis cmds/dup |",
-        "|---:|---:|---:|---:|---:|---|---:|---|",
-        f"| {storm['duplicates']} | {storm['rate']:,.0f} | {storm['worker_cpu_us']:,.0f} "
-        f"| {storm['client_per_dup']:g} "
-        f"(evalsha; +2 for the holder) | {storm['lua_per_dup']:g} ({storm['lua_mix']}) "
-        f"| {storm['backend_writes_per_dup']:g} ({storm['backend_write_mix']}) "
-        f"| {storm['backend_reads_per_dup']:g} (get) "
-        f"| {storm['broker_per_dup']:g} ({storm['broker_mix']}) |",
-        "",
-        f"Per-round dup/s: {', '.join(f'{r:,.0f}' for r in storm['rates'])}; "
-        f"states {storm['states']}. Broker-Redis counts exclude the harness's MGET polls and "
-        "include the transport's own commands (BRPOP, MULTI/EXEC, ZADD/HSET/ZREM/HDEL of "
-        "unacked messages) and the holder's EXISTS polls.",
         "",
         "### Lock store after the run",
         "",
@@ -1003,6 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse arguments, measure, print the Markdown section and write it to RESULTS.md."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per contender per round")
+    parser.add_argument("--pool", choices=sorted(POOLS), default="prefork", help="worker pool")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--storm", type=int, default=500, help="duplicates in the skip storm")
     parser.add_argument("--warmup", type=int, default=200, help="warm-up tasks per contender")

@@ -72,8 +72,9 @@ class Lock(ExtendableLock):
         on_lost: Called with the :class:`Lease` when it is found lost; runs on the
             event loop, keep it short and non-blocking.
         fencing: Draw a fencing token on each acquisition (same round trip).
-        fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Seconds a fence key outlives its name's latest acquisition.
+        fence_key: Override the fence counter's key (default: the store's
+            counter, one per hash slot on Cluster: ``fence_key_for(name)``).
+        fence_retention: Seconds the fence counter outlives its latest draw.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         clock: Monotonic clock in seconds; injectable for tests.
         label: Who holds the lock, for log lines.
@@ -218,10 +219,6 @@ class Lock(ExtendableLock):
     def _retry_delay(self, sleep: Number) -> float:
         """Seconds to wait before the next attempt of a blocking acquire."""
         return float(sleep)
-
-    def _encode_token(self, token: str | bytes) -> bytes:
-        encoded: bytes = self.redis.get_encoder().encode(token)
-        return encoded
 
     def _attempt_value(self, state: TaskState, token: bytes, retry: bool) -> bytes:
         """The value one attempt stores: the token itself here."""

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.core.fences import is_cluster
 from celery_redlock.core.holder import Holder, Refusal
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
 from celery_redlock.core.lock_options import DEFAULT_FENCE_RETENTION, Number, positive_seconds
@@ -101,7 +102,7 @@ class Semaphore(ExtendableLock):
             label=label,
         )
         self._keep_state_per_task()
-        self.keys = keys = semaphore_keys(name)
+        self.keys = keys = semaphore_keys(name, cluster=is_cluster(redis))
         self._acquire_keys = (keys.permits, keys.fence, keys.waiters, keys.waiting)
         self._release_keys = (keys.permits, keys.waiters, keys.wake)
         self._blpop = True

@@ -43,14 +43,25 @@ def current_lock() -> Lease | None:
     return _current.get()
 
 
-@contextlib.contextmanager
-def holding(lease: Lease) -> Iterator[Lease]:
+class _Holding:
+    """The ``with`` block of :func:`holding`: a class, not a generator (it wraps every call)."""
+
+    __slots__ = ("lease", "token")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    def __enter__(self) -> Lease:
+        self.token = _current.set(self.lease)
+        return self.lease
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current.reset(self.token)
+
+
+def holding(lease: Lease) -> _Holding:
     """Make ``lease`` what :func:`current_lock` returns inside the ``with`` block."""
-    token = _current.set(lease)
-    try:
-        yield lease
-    finally:
-        _current.reset(token)
+    return _Holding(lease)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
 
@@ -43,7 +42,7 @@ from celery_redlock.core.exceptions import LockError, LockNotAcquired
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.line import leave_line
-from celery_redlock.core.lock import Lease
+from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
@@ -54,9 +53,7 @@ from .result import SKIPPED, already_done
 
 __all__ = [
     "TaskGuard",
-    "called_inside",
     "current_lock",
-    "guarding",
     "requeuing",
 ]
 
@@ -64,34 +61,6 @@ logger = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
-
-# The id of the task whose call runs under a guard in this thread (or greenlet).
-_guarded_task_id: ContextVar[str | None] = ContextVar("celery_redlock_guarded_task", default=None)
-
-
-@contextmanager
-def guarding(request: Any) -> Iterator[None]:
-    """Mark the task of ``request`` as running under its lock in this context."""
-    token = _guarded_task_id.set(request.id)
-    try:
-        yield
-    finally:
-        _guarded_task_id.reset(token)
-
-
-def called_inside(request: Any) -> bool:
-    """Whether a call made now is a direct call inside the body of its own guarded run.
-
-    A task calling a task directly (``other(...)``, or itself) runs it as a
-    function within the same task: it must not take a lock of its own, and
-    above all not meet the lock of the run it is part of. Celery runs such a
-    call under a copy of the running request (same id), pushed on the stack,
-    so the id is what tells it apart; an eager ``apply()`` gets a new id and
-    is locked as usual.
-    """
-    task_id = request.id
-    return task_id is not None and _guarded_task_id.get() == task_id
-
 
 # Set while the guard republishes a call it did not run (a requeue), so the
 # enqueue side can tell it from a retry, which republishes a call that ran.
@@ -135,6 +104,8 @@ class TaskGuard(Guard[Any]):
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
         self.rate_keys = rate_keys(task.name, task.run, options)
         self._limiter: RateLimiter | None = None
+        # The first plain Lock built, whose options later calls' locks copy.
+        self._template: Lock | None = None
         self._in_line = in_line(options)
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
@@ -157,14 +128,14 @@ class TaskGuard(Guard[Any]):
     def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
         """Describe the running request's call: its key, and the holder its lock will name."""
         task, request = self.task, self.task.request
-        holder = Holder.new(
+        value = Holder.new_value(
             request.id,
             request.hostname,
             ttl=self.options.ttl,
             queue=self.queue or queue_of(request.delivery_info),
         )
         label = f"task {task.name}[{request.id}]"
-        call = TaskCall(self.keys.key_for(args, kwargs), holder.encode(), label, request.id)
+        call = TaskCall(self.keys.key_for(args, kwargs), value, label, request.id)
         call.met_itself = self._met_itself(request)
         if self._in_line:
             call.place = place_for(request, self.options)
@@ -202,7 +173,13 @@ class TaskGuard(Guard[Any]):
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        return self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
+        options = self._lock_options(call)
+        if self._template is not None:
+            return self._template.renamed(call.key, on_lost=options["on_lost"], label=call.label)
+        lock = self.store.lock(call.key, limit=self.options.limit, **options)
+        if type(lock) is Lock:  # the same options for every call: later calls copy them
+            self._template = lock
+        return lock
 
     def _lock_options(self, call: Call) -> dict[str, Any]:
         """The options of every run's lock, whichever class takes it."""

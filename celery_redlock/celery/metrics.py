@@ -22,6 +22,7 @@ adds to the counters, and what the worker's ``/metrics`` endpoint reads
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import weakref
@@ -79,12 +80,13 @@ class WaitTable(StatsTable):
                 self._cells[start + _ENDED] = self._cells[start + _TAKEN]
         return base
 
-    def observe(self, task: str, seconds: float) -> None:
-        """Record one acquisition after waiting ``seconds`` for it."""
-        bucket = next((i for i, bound in enumerate(WAIT_BUCKETS) if seconds <= bound), -1)
-        self.add(task, bucket if bucket >= 0 else len(WAIT_BUCKETS))
-        self.add(task, _COUNT)
-        self.add(task, _SUM_US, max(0, round(seconds * 1_000_000)))
+    def observe(self, task: str, seconds: float, taken: bool = False) -> None:
+        """Record one acquisition after waiting ``seconds`` for it (and its hold, if ``taken``)."""
+        # bisect_left: the first bound >= seconds (len(WAIT_BUCKETS), +Inf, past them all).
+        bucket = bisect.bisect_left(WAIT_BUCKETS, seconds)
+        wait_us = max(0, round(seconds * 1_000_000))
+        counts = ((bucket, 1), (_COUNT, 1), (_SUM_US, wait_us))
+        self.add_many(task, (*counts, (_TAKEN, 1)) if taken else counts)
 
     def taken(self, task: str) -> None:
         """Record the start of one hold."""
@@ -191,10 +193,11 @@ def _on_acquired(sender: Any = None, task_id: str | None = None, **kwargs: Any) 
     table = _table_of(sender)
     if table is None:
         return
-    table.taken(sender.name)
     started = _run_started.pop(task_id, None) if task_id is not None else None
-    if started is not None:  # no task_prerun: not a worker's run, no wait to tell
-        table.observe(sender.name, time.monotonic() - started)
+    if started is None:  # no task_prerun: not a worker's run, no wait to tell
+        table.taken(sender.name)
+    else:
+        table.observe(sender.name, time.monotonic() - started, taken=True)
 
 
 def _on_released(sender: Any = None, **kwargs: Any) -> None:

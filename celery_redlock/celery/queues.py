@@ -26,8 +26,8 @@ from celery_redlock.celery.settings import (
 )
 from celery_redlock.core.exceptions import ConfigurationError
 
-from .guard import called_inside, guarding
 from .guards import guard_for
+from .inside import called_inside, guarding
 
 __all__ = [
     "QueueLocks",

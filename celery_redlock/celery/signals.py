@@ -12,10 +12,16 @@ from celery.utils.dispatch import Signal
 
 __all__ = ["lock_acquired", "lock_contended", "lock_lapsed", "lock_lost", "lock_released"]
 
+# The two signals every task sends look their receivers up once per sender
+# (Celery's use_caching; the cache is cleared on connect and disconnect), not on
+# every send: the sender is always a task, which weak references can name.
+
 #: The task took its lock. Also sends ``fence``, ``ttl`` and ``waited``: seconds
 #: since the call first joined its key's wait line, or ``None`` if it never waited.
 lock_acquired = Signal(
-    name="lock_acquired", providing_args={"task_id", "key", "fence", "ttl", "waited"}
+    name="lock_acquired",
+    providing_args={"task_id", "key", "fence", "ttl", "waited"},
+    use_caching=True,
 )
 
 #: Another call holds the lock. ``action`` is what the task does about it
@@ -28,7 +34,9 @@ lock_contended = Signal(
 )
 
 #: The task released its lock; ``owned`` is False if it had been lost first.
-lock_released = Signal(name="lock_released", providing_args={"task_id", "key", "fence", "owned"})
+lock_released = Signal(
+    name="lock_released", providing_args={"task_id", "key", "fence", "owned"}, use_caching=True
+)
 
 #: The lock was lost while the task ran (expired, stolen, or Redis failed for
 #: longer than the TTL). Sent from the watchdog thread; ``reason`` says why.

@@ -111,22 +111,31 @@ class StatsTable:
         self._base = slot * self._width
         return self._base
 
-    def _cell(self, task: str, counter: int) -> int:
+    def _row_start(self, task: str) -> int:
+        """The index of ``task``'s first cell in this process's slot."""
         row = self._rows.get(task)
         if row is None:
             row = self._rows[OTHER_TASKS]
         base = self._base if self._base is not None else self._own_base()
-        return base + row * len(self.counters) + counter
+        return base + row * len(self.counters)
 
     def add(self, task: str, counter: int, amount: int = 1) -> None:
         """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
-        cell = self._cell(task, counter)
+        cell = self._row_start(task) + counter
         with self._lock:
             self._cells[cell] += amount
 
+    def add_many(self, task: str, amounts: Iterable[tuple[int, int]]) -> None:
+        """Add each ``(counter, amount)`` of ``amounts`` to ``task``'s row, under one lock."""
+        start = self._row_start(task)
+        cells = self._cells
+        with self._lock:
+            for counter, amount in amounts:
+                cells[start + counter] += amount
+
     def raise_to(self, task: str, counter: int, value: int) -> None:
         """Raise ``counter`` of ``task`` to ``value`` if it is below (a maximum, not a count)."""
-        cell = self._cell(task, counter)
+        cell = self._row_start(task) + counter
         with self._lock:
             if self._cells[cell] < value:
                 self._cells[cell] = value

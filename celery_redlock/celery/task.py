@@ -6,13 +6,14 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from celery import Task
+from celery.exceptions import Ignore
 
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
 from . import publish
-from .guard import called_inside, guarding
 from .guards import guard_for
+from .inside import called_inside, guarding
 from .install import connect_worker
 from .newest import NewestGuard, publish_newest
 from .queues import locked_queue
@@ -141,8 +142,14 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         # From a locked queue, that queue's options apply (below the task's own).
         found = locked_queue(self)
         guard = guard_for(self) if found is None else guard_for(self, *found)
-        with guarding(request):
-            return guard.run(args, kwargs, body)
+        try:
+            with guarding(request):
+                return guard.run(args, kwargs, body)
+        except Ignore as ignored:
+            # Celery copies every frame of an Ignore's traceback, with its code
+            # positions, and formats them (twice): starting it here leaves
+            # out the guard's frame (see TaskGuard.run).
+            raise ignored.with_traceback(None) from None
 
     def apply_async(
         self,

@@ -19,7 +19,6 @@ worker's start-up check.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,15 +34,18 @@ from redis.exceptions import (
 
 from .error_text import describe_error
 from .exceptions import LockError
-from .lock_options import fence_key_for
+from .fences import fence_key_for, is_cluster
+from .lock_options import DEFAULT_FENCE_RETENTION
 from .replica_settings import replica_warnings
 from .scripts import ACQUIRE, RELEASE, RENEW
 from .store import LockStore, redact_url
 
 __all__ = ["NodeCheck", "StoreCheck", "check_store", "probe_key", "run_lock_scripts"]
 
-#: Lifetime of a probe key (and of its fence counter), in milliseconds.
+#: Lifetime of a probe key, in milliseconds.
 PROBE_TTL_MS = 10_000
+#: The fence counter's lifetime a probe renews: the default every lock uses.
+FENCE_RETENTION_MS = int(DEFAULT_FENCE_RETENTION * 1000)
 #: Eviction policies under which Redis never drops keys to free memory.
 SAFE_POLICIES = ("noeviction",)
 #: Hash tags tried to find a probe key served by a given Cluster primary.
@@ -60,12 +62,14 @@ def probe_key(prefix: str, tag: str) -> str:
     return f"{prefix}:check:{{{tag}}}"
 
 
-def run_lock_scripts(client: Any, key: str) -> None:
+def run_lock_scripts(client: Any, key: str, *, cluster: bool = False) -> None:
     """Acquire ``key`` with a fence, renew it and release it, with the lock's scripts.
 
     Args:
         client: A plain redis-py client of one server.
         key: The probe key (see :func:`probe_key`).
+        cluster: Whether the server is a Redis Cluster master (the fence
+            counter is then its slot's).
 
     Raises:
         redis.exceptions.RedisError: What the server or connection raised
@@ -73,7 +77,11 @@ def run_lock_scripts(client: Any, key: str) -> None:
         LockError: When a script answered something a working lock never gets.
     """
     token = secrets.token_hex(16)
-    fence = ACQUIRE(client, (key, fence_key_for(key)), (token, PROBE_TTL_MS, PROBE_TTL_MS, "0"))
+    # The store's own counter: it is shared by every lock, so the probe draws
+    # one fence from it like any task would, and leaves it in place (deleting
+    # it would drop the high-water mark that survives a clock step back).
+    fence_key = fence_key_for(key, cluster=cluster or is_cluster(client))
+    fence = ACQUIRE(client, (key, fence_key), (token, PROBE_TTL_MS, FENCE_RETENTION_MS, "0"))
     if not isinstance(fence, int) or fence <= 0:
         raise LockError(f"acquire of probe key {key} answered {fence!r}, not a fence", key)
     try:
@@ -84,9 +92,6 @@ def run_lock_scripts(client: Any, key: str) -> None:
         released = RELEASE(client, (key,), (token, "0"))
     if released != 1:
         raise LockError(f"release of probe key {key} answered {released!r}", key)
-    # The counter would expire by itself; deleting it leaves nothing behind.
-    with contextlib.suppress(ResponseError):
-        client.delete(fence_key_for(key))
 
 
 @dataclass(frozen=True)
@@ -200,19 +205,26 @@ def check_store(store: LockStore, prefixes: Sequence[str]) -> StoreCheck:
     except (RedisError, RedisClusterException) as exc:
         return StoreCheck(address, prefixes, error=exc)
     tag = secrets.token_hex(8)
+    cluster = store.spec.topology == "cluster"
     nodes = tuple(
-        _check_node(client, name, prefixes, tag, key_for, needed)
+        _check_node(client, name, prefixes, tag, key_for, needed, cluster)
         for client, name, key_for in masters
     )
     return StoreCheck(address, prefixes, nodes, min_replicas=needed)
 
 
 def _check_node(
-    client: Any, name: str, prefixes: Sequence[str], tag: str, key_for: Any, needed: int
+    client: Any,
+    name: str,
+    prefixes: Sequence[str],
+    tag: str,
+    key_for: Any,
+    needed: int,
+    cluster: bool,
 ) -> NodeCheck:
     try:
         for prefix in prefixes:
-            run_lock_scripts(client, key_for(prefix, tag))
+            run_lock_scripts(client, key_for(prefix, tag), cluster=cluster)
     except (RedisError, LockError) as exc:
         return NodeCheck(name, error=exc)
     return NodeCheck(

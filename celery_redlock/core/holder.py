@@ -72,6 +72,29 @@ def queue_of(delivery_info: Mapping[str, Any] | None) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
+# (hostname, ttl, queue, pid) -> the escaped fields around the acquisition time.
+_STATIC_FIELDS: dict[tuple[str, float | None, str | None, int], tuple[str, str]] = {}
+# A worker has a few node names and queues; a bound keeps odd callers from growing it.
+_STATIC_FIELDS_MAX = 256
+
+
+def _static_fields(
+    hostname: str, ttl: float | None, queue: str | None, pid: int
+) -> tuple[str, str]:
+    """The escaped ``node|pid`` and ``ttl_ms|host|queue`` of a value, built once per set."""
+    key = (hostname, ttl, queue, pid)
+    fields = _STATIC_FIELDS.get(key)
+    if fields is None:
+        if len(_STATIC_FIELDS) >= _STATIC_FIELDS_MAX:
+            _STATIC_FIELDS.clear()
+        ttl_ms = int(ttl * 1000) if ttl else 0
+        fields = _STATIC_FIELDS[key] = (
+            f"{_escape(hostname)}|{pid}",
+            f"{ttl_ms}|{_escape(_HOST)}|{_escape(queue or '')}",
+        )
+    return fields
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a lock.
@@ -139,6 +162,28 @@ class Holder:
             self.queue or "",
         )
         return _SEPARATOR.join(_escape(field) for field in fields)
+
+    @staticmethod
+    def new_value(
+        task_id: str,
+        hostname: str | None = None,
+        *,
+        ttl: float | None = None,
+        queue: str | None = None,
+    ) -> str:
+        """Return ``Holder.new(...).encode()``, without building the holder.
+
+        Every task's lock carries one, so the fields that stay the same from
+        call to call in a process (node, pid, TTL, host, queue) are escaped
+        and joined once and kept.
+        """
+        static = _static_fields(hostname or _HOST, ttl, queue, os.getpid())
+        if "%" in task_id or _SEPARATOR in task_id:
+            task_id = _escape(task_id)
+        return (
+            f"{_FORMAT}|{secrets.token_hex(16)}|{task_id}|{static[0]}"
+            f"|{int(time.time() * 1000)}|{static[1]}"
+        )
 
     @staticmethod
     def owner_field(value: str | bytes) -> str:

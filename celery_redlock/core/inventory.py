@@ -17,9 +17,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .fences import fence_key_for, is_cluster
 from .holder import Holder
 from .keys import KEY_VERSION
-from .lock_options import fence_key_for
 from .semaphore_scripts import semaphore_keys
 
 __all__ = [
@@ -166,7 +166,10 @@ class LockInfo:
         value: The stored value, decoded.
         holder: The holder the value names (``None`` for a value of another format).
         ttl: Seconds the lock has left (``None``: no expiry).
-        fence: The key's fence counter: the fence of the latest acquisition.
+        fence: The fence counter the key draws from, shared by every key of
+            the store (of its hash slot, on Cluster): the latest fence drawn
+            there, so at least the holder's fence, and equal to it until
+            another acquisition draws.
         server_time: The server's clock when the lock was read, Unix seconds.
         permits: For a semaphore, its live permits by slot (``key`` is then
             the semaphore's name, ``value`` empty, ``holder`` ``None`` and
@@ -283,15 +286,16 @@ def read_locks(
     if not keys:
         return []
     pipe = client.pipeline(transaction=False)
+    cluster = is_cluster(client)
     for key in keys:
         if key.endswith("}" + PERMITS_SUFFIX):
             pipe.zrange(key, 0, -1, withscores=True)
             pipe.pttl(key)
-            pipe.get(fence_key_for(key.removesuffix(PERMITS_SUFFIX)))
+            pipe.get(fence_key_for(key.removesuffix(PERMITS_SUFFIX), cluster=cluster))
         else:
             pipe.get(key)
             pipe.pttl(key)
-            pipe.get(fence_key_for(key.removesuffix(RESERVATION_SUFFIX)))
+            pipe.get(fence_key_for(key.removesuffix(RESERVATION_SUFFIX), cluster=cluster))
     replies = pipe.execute()
     now = _server_time(client)
     found: list[LockInfo] = []

@@ -7,7 +7,8 @@ Decimals and bytes are encoded the way kombu's JSON serializer sends them, so a
 key computed from the caller's objects equals the one computed in the worker
 from the decoded message. Keys look like ``<prefix>:v1:{<task>:<sha256>}``: the
 version lets a future format live beside this one, and the hash tag keeps the
-lock key and its fence key in one Redis Cluster slot.
+lock key and the keys beside it (a semaphore's permits, a reservation) in one
+Redis Cluster slot, the slot whose fence counter it draws from.
 """
 
 from __future__ import annotations
@@ -84,8 +85,12 @@ def canonical_json(value: Any) -> str:
     return _dumps(_canonical(value))
 
 
+# One encoder for every key: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _dumps(canonical: Any) -> str:
-    return json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(canonical)
 
 
 class KeyBuilder:
@@ -133,6 +138,14 @@ class KeyBuilder:
                 (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
                 None,
             )
+        # Parameters that positional arguments alone fill, when every one of
+        # them is a plain parameter without a default: such calls bind by zip.
+        self._positional: tuple[str, ...] | None = None
+        if self.signature is not None and all(
+            p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+            for p in self.signature.parameters.values()
+        ):
+            self._positional = tuple(self.signature.parameters)
         if spec is not None and not callable(spec):
             names = [spec] if isinstance(spec, str) else list(spec)
             if self.signature is not None and self._extra_keywords is None:
@@ -194,6 +207,9 @@ class KeyBuilder:
     def _bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if self.signature is None:
             return {"args": list(args), "kwargs": dict(kwargs)}
+        names = self._positional
+        if names is not None and not kwargs and len(args) == len(names):
+            return dict(zip(names, args))
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:

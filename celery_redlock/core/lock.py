@@ -69,10 +69,11 @@ class Lock(LockSettings):
         on_lost: Called with the :class:`Lease` when it is found lost. Runs on
             the watchdog thread; keep it short.
         fencing: Draw a fencing token on each acquisition (same round trip).
-        fence_key: Override the fence counter's key (default: ``fence_key_for(name)``).
-        fence_retention: Seconds a fence key outlives its name's latest
-            acquisition; a name unused that long reseeds its fences from the
-            server clock, and they still increase.
+        fence_key: Override the fence counter's key (default: the store's
+            counter, one per hash slot on Cluster: ``fence_key_for(name)``).
+        fence_retention: Seconds the fence counter outlives its latest draw;
+            a store unused that long reseeds its fences from the server
+            clock, and they still increase.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         watchdog: The watchdog to renew with (default: the process-wide one).
         label: Who holds the lock, for log lines (e.g. ``"task add[id]"``).
@@ -133,7 +134,13 @@ class Lock(LockSettings):
             replica_timeout=replica_timeout,
         )
         self._watchdog = watchdog
-        self.local: LockState = ThreadState() if self.thread_local else SharedState()
+        self.local: LockState
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        self.local = ThreadState() if self.thread_local else SharedState()
+
+    # -- redis-py compatible API ------------------------------------------------
 
     def __enter__(self: _LockT) -> _LockT:
         if self.acquire():
@@ -216,11 +223,6 @@ class Lock(LockSettings):
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False
             time.sleep(delay)
-
-    def _encode_token(self, token: str | bytes) -> bytes:
-        """Encode a caller's token the way the client would send it."""
-        encoded: bytes = self.redis.get_encoder().encode(token)
-        return encoded
 
     def _retry_delay(self, sleep: Number) -> float:
         """Seconds to wait before the next attempt of a blocking acquire."""

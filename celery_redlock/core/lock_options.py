@@ -1,4 +1,4 @@
-"""The options every lock class takes, validated in one place, and the fence key of a name.
+"""The options every lock class takes, validated in one place.
 
 :class:`LockSettings` stores redis-py's lock arguments and this package's
 additions for :class:`~celery_redlock.core.lock.Lock` and its asyncio twin;
@@ -8,10 +8,11 @@ additions for :class:`~celery_redlock.core.lock.Lock` and its asyncio twin;
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from . import replication as replicated
 from .exceptions import ConfigurationError
+from .fences import fence_key_for, is_cluster
 from .lease import Clock, LostCallback
 
 __all__ = [
@@ -27,22 +28,10 @@ __all__ = [
 #: Seconds, as redis-py's lock takes them.
 Number = Union[int, float]
 
-#: Lifetime of a fence key from when it is seeded; see ``scripts.ACQUIRE``.
+#: Lifetime of a fence counter from its latest draw; see ``scripts.ACQUIRE``.
 DEFAULT_FENCE_RETENTION = 3600.0
 
-
-def fence_key_for(name: str | bytes) -> str | bytes:
-    """Return the key holding the fence counter of lock ``name``.
-
-    The fence key must share the lock key's Redis Cluster hash slot, because the
-    acquire script touches both. A name with a hash tag keeps it; any other name
-    becomes the tag of its fence key, which hashes to the same slot as the name.
-    Bytes names (which redis-py accepts) give a bytes key.
-    """
-    if isinstance(name, bytes):
-        # latin-1 maps every byte to one character and back, braces included.
-        return fence_key_for(name.decode("latin-1")).encode("latin-1")  # type: ignore[union-attr]
-    return key_beside(name, "fence")
+_SettingsT = TypeVar("_SettingsT", bound="LockSettings")
 
 
 def key_beside(name: str, suffix: str) -> str:
@@ -163,7 +152,9 @@ class LockSettings:
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.fencing = fencing
-        self.fence_key = fence_key if fence_key is not None else fence_key_for(name)
+        self.fence_key = (
+            fence_key if fence_key is not None else fence_key_for(name, cluster=is_cluster(redis))
+        )
         self._fence_retention_ms = int(fence_retention * 1000)
         self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
         self.drift_factor = drift_factor
@@ -173,3 +164,28 @@ class LockSettings:
         self.replication = replicated.replication_for(
             min_replicas, replica_timeout, self.timeout, redis
         )
+
+    def renamed(
+        self: _SettingsT, name: str, *, on_lost: LostCallback | None, label: str | None
+    ) -> _SettingsT:
+        """Return a lock on key ``name`` with these options, checked once when this one was built.
+
+        The task path builds one lock per call with the same options: copying
+        them skips the checks, which cost more than the acquisition's Python.
+        """
+        lock = object.__new__(type(self))
+        lock.__dict__.update(self.__dict__)
+        lock.name = name
+        lock.fence_key = fence_key_for(name, cluster=is_cluster(self.redis))
+        lock.on_lost = on_lost
+        lock.label = label
+        lock._fresh_state()
+        return lock
+
+    def _fresh_state(self) -> None:
+        """Give a new lock its own acquisition state (a lock class that keeps some)."""
+
+    def _encode_token(self, token: str | bytes) -> bytes:
+        """Encode a caller's token the way the client would send it."""
+        encoded: bytes = self.redis.get_encoder().encode(token)
+        return encoded

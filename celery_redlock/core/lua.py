@@ -16,11 +16,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
+from redis.utils import HIREDIS_AVAILABLE
 
 from .reserved import checkout, reserved_for
 
 __all__ = ["Arg", "Resend", "Script"]
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = None
+if HIREDIS_AVAILABLE:
+    from hiredis import pack_command as _hiredis_pack
 
 #: One key or argument of a script, as redis-py sends it.
 Arg = Union[str, bytes, int, float]
@@ -62,7 +67,7 @@ class Script:
     ``ConnectionError`` is then raised).
     """
 
-    __slots__ = ("check_connection", "name", "resend", "sha", "source")
+    __slots__ = ("_heads", "check_connection", "name", "resend", "sha", "source")
 
     def __init__(
         self,
@@ -86,6 +91,8 @@ class Script:
         #: connection, nor with maintenance notifications enabled (redis-py 8's
         #: default).
         self.check_connection = check_connection
+        # (keys, keys + args) -> the packed "EVALSHA sha numkeys" of such a call.
+        self._heads: dict[tuple[int, int], bytes] = {}
 
     def __call__(
         self,
@@ -168,12 +175,47 @@ class Script:
     ) -> Any:
         if then is not None:
             return self._run_then(connection, keys, args, then)
-        connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        connection.send_packed_command([self._pack(connection, keys, args)])
         try:
             return connection.read_response()
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
+
+    def _pack(self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> bytes:
+        """Pack ``EVALSHA`` of this script in RESP, its constant head built once per arity.
+
+        With hiredis, by hiredis as redis-py packs; else by the connection's
+        own encoder (bytes as they are): exactly what ``send_command`` sends.
+        """
+        if _hiredis_pack is not None:
+            # What redis-py's own packer does when hiredis is installed.
+            try:
+                return _hiredis_pack((b"EVALSHA", self.sha, len(keys), *keys, *args))
+            except TypeError as exc:
+                raise DataError(str(exc)) from exc
+        items = (*keys, *args)
+        head = self._heads.get((len(keys), len(items)))
+        if head is None:
+            numkeys = str(len(keys)).encode()
+            head = self._heads[(len(keys), len(items))] = (
+                b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n"
+                % (len(items) + 3, self.sha.encode(), len(numkeys), numkeys)
+            )
+        parts = [head]
+        encoder = connection.encoder
+        for item in items:
+            value: bytes
+            if isinstance(item, bytes):
+                value = item
+            elif isinstance(item, str):
+                value = item.encode(encoder.encoding, encoder.encoding_errors)
+            elif isinstance(item, int) and type(item) is int:  # not bool, not an enum
+                value = b"%d" % item
+            else:  # floats, and the types the encoder refuses
+                value = encoder.encode(item)
+            parts.append(b"$%d\r\n%s\r\n" % (len(value), value))
+        return b"".join(parts)
 
     def _run_then(
         self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg]
@@ -203,9 +245,15 @@ class Script:
         """
         return client.execute_command("EVAL", self.source, len(keys), *keys, *args)
 
-    def queue(self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> None:
-        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``."""
-        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+    def queue(
+        self, pipeline: Any, keys: Sequence[Arg], args: Sequence[Arg], **options: Any
+    ) -> None:
+        """Queue the script on a pipeline; callers rerun NOSCRIPT replies with ``__call__``.
+
+        ``options`` go to the pipeline's ``execute_command`` (a Cluster
+        pipeline's ``target_nodes``).
+        """
+        pipeline.execute_command("EVALSHA", self.sha, len(keys), *keys, *args, **options)
 
     def __repr__(self) -> str:
         return f"<Script {self.name} {self.sha[:8]}>"

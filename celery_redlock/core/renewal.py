@@ -5,6 +5,9 @@ after their last renewal. A pass renews every lease that is due or more than
 half way there, so leases fall into step and each pass costs one pipelined
 round trip per Redis connection pool, however many locks (and semaphore
 permits, renewed by a script of their own in the same pipeline) the process holds.
+On Redis Cluster a script may touch one hash slot only: a pass sends one script
+call per slot (and script), all in one write per master (see
+:mod:`celery_redlock.core.renewal_wire`, which sends a pass).
 
 A renewal that fails on a connection error is retried until the lease's own
 validity deadline; only then is the lease given up as lost. A lease the server
@@ -29,13 +32,12 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
-from . import replication as replicated
 from .error_text import describe_error
+from .fences import is_cluster
 from .lease import Clock, Lease
 from .lua import Script
 from .nodes import bounded_client
+from .renewal_wire import send_chunks
 from .replication import Replication
 
 __all__ = ["Watchdog", "default_watchdog"]
@@ -140,16 +142,21 @@ class Watchdog:
         batch = self._take_due(now)
         by_pool: dict[tuple[Any, Replication | None], list[Lease]] = defaultdict(list)
         alone: list[Lease] = []
+        # Thousands of leases share a few clients: find each client's group once.
+        pools: dict[int, Any] = {}
         for lease in batch:
             if not lease.still_to_renew():
                 continue
             if lease.renews_itself:
                 alone.append(lease)
                 continue
-            # A client without a pool (Redis Cluster) cannot take one script
-            # over keys of several slots: such leases are renewed one by one.
-            pool = getattr(lease.client, "connection_pool", None)
-            by_pool[lease if pool is None else pool, lease.replication].append(lease)
+            client = lease.client
+            pool = pools.get(id(client))
+            if pool is None:
+                # A Cluster client has no pool: its leases are one group, split
+                # by slot when sent. Any other client without a pool renews alone.
+                pool = pools[id(client)] = _group_of(client)
+            by_pool[lease if pool is _ALONE else pool, lease.replication].append(lease)
         for (pool, replication), leases in by_pool.items():
             try:
                 clients = self._clients.get(pool)
@@ -185,103 +192,82 @@ class Watchdog:
             self._push(lease, sent_at + lease.ttl / 3)
 
     def _take_due(self, now: float) -> list[Lease]:
+        # Renew early rather than alone: whatever is half way to due joins this
+        # pass, which keeps every lease in one round trip.
         taken: list[Lease] = []
         with self._cond:
             heap = self._heap
-            while heap:
-                due, _, lease = heap[0]
-                assert lease.ttl is not None
-                # Renew early rather than alone: whatever is half way to due
-                # joins this pass, which keeps every lease in one round trip.
-                if due > now + lease.ttl / 6:
-                    break
-                heapq.heappop(heap)
-                taken.append(lease)
+            if not heap or heap[0][0] > now + heap[0][2].ttl / 6:  # type: ignore[operator]
+                return taken
+            if len(heap) <= _SCAN_FROM:
+                while heap:
+                    due, _, lease = heap[0]
+                    if due > now + lease.ttl / 6:  # type: ignore[operator]
+                        break
+                    heapq.heappop(heap)
+                    taken.append(lease)
+                return taken
+            # Many leases, and usually most of them due at once (they fall into
+            # step): one scan and a rebuild cost less than a pop per lease.
+            kept = []
+            for entry in heap:
+                if entry[0] > now + entry[2].ttl / 6:  # type: ignore[operator]
+                    kept.append(entry)
+                else:
+                    taken.append(entry[2])
+            heapq.heapify(kept)
+            self._heap = kept
         return taken
 
     def _renew_group(
         self, client: Any, leases: Sequence[Lease], replication: Replication | None = None
     ) -> None:
         # Locks and semaphore permits renew with different scripts: one chunk
-        # list per script, all of them in the pass's one pipelined round trip.
-        by_script: dict[Script, list[Lease]] = {}
-        for lease in leases:
-            by_script.setdefault(lease.renew_script, []).append(lease)
+        # list per script (and per hash slot on Cluster, where a script touches
+        # one slot), all of them in the pass's one pipelined round trip.
+        by_script: dict[tuple[Script, int], list[Lease]] = {}
+        if is_cluster(client):
+            for lease in leases:
+                by_script.setdefault((lease.renew_script, lease.renew_slot()), []).append(lease)
+        else:
+            for lease in leases:
+                by_script.setdefault((lease.renew_script, 0), []).append(lease)
         size = self._batch_size
         chunks = [
             (script, group[i : i + size])
-            for script, group in by_script.items()
+            for (script, _), group in by_script.items()
             for i in range(0, len(group), size)
         ]
         sent_at = self._clock()
         try:
-            replies = self._send(client, chunks, replication)
+            replies = send_chunks(client, chunks, replication)
         except Exception as exc:
             # Whatever went wrong, the leases go back in the heap: dropping them
             # would leave them neither renewed nor reported lost.
             self._schedule_retry(leases, exc)
             return
+        renewed: list[tuple[float, int, Lease]] = []
+        seq = self._seq
         for (_, chunk), reply in zip(chunks, replies):
             for lease, pttl_ms in zip(chunk, reply):
-                self._settle(lease, sent_at, pttl_ms)
-
-    def _send(
-        self,
-        client: Any,
-        chunks: Sequence[tuple[Script, Sequence[Lease]]],
-        replication: Replication | None = None,
-    ) -> list[Any]:
-        def script_args(chunk: Sequence[Lease]) -> tuple[list[str], list[Any]]:
-            args: list[Any] = ["1"]
-            for lease in chunk:
-                assert lease.ttl is not None
-                args += (lease.token, int(lease.ttl * 1000))
-            return [lease.renew_key for lease in chunk], args
-
-        if len(chunks) == 1:
-            script, chunk = chunks[0]
-            if replication is None:
-                return [script(client, *script_args(chunk))]
-            return [replicated.renew(client, *script_args(chunk), replication, script=script)]
-        pipe = client.pipeline(transaction=False)
-        for script, chunk in chunks:
-            script.queue(pipe, *script_args(chunk))
-        if replication is not None:
-            # Behind every script on the pipeline's one connection: it covers them all.
-            pipe.execute_command(*replication.wait)
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        acknowledged = replies.pop() if replication is not None else 0
-        for i, reply in enumerate(replies):
-            if isinstance(reply, NoScriptError):
-                # Sent apart, on a connection of its own: with its own WAIT.
-                script, chunk = chunks[i]
-                args = script_args(chunk)
-                if replication is None:
-                    replies[i] = script(client, *args)
-                else:
-                    replies[i] = replicated.renew(client, *args, replication, script=script)
-            elif isinstance(reply, Exception):
-                raise reply
-        if isinstance(acknowledged, Exception):
-            raise acknowledged
-        if replication is not None:
-            renewed = any(any(reply) for reply in replies)
-            replicated.check_acknowledged(
-                client, int(acknowledged), replication, chunks[0][1][0].name, renewed=renewed
-            )
-        return replies
-
-    def _settle(self, lease: Lease, sent_at: float, pttl_ms: int) -> None:
-        if lease.released:
-            return
-        if not pttl_ms:
-            lease.mark_lost("the key no longer holds this lease's token")
-            return
-        lease.validate_until(sent_at, pttl_ms / 1000)
-        lease.renewals += 1
-        assert lease.ttl is not None
+                if lease.released:
+                    continue
+                if not pttl_ms:
+                    lease.mark_lost("the key no longer holds this lease's token")
+                    continue
+                lease.validate_until(sent_at, pttl_ms / 1000)
+                lease.renewals += 1
+                renewed.append((sent_at + lease.ttl / 3, next(seq), lease))  # type: ignore[operator]
+        # Back in the heap under one acquisition of the lock, not one per lease;
+        # many at once are appended and the heap rebuilt (linear, in C).
         with self._cond:
-            self._push(lease, sent_at + lease.ttl / 3)
+            heap = self._heap
+            if len(renewed) > len(heap):
+                heap += renewed
+                heapq.heapify(heap)
+            else:
+                for entry in renewed:
+                    heapq.heappush(heap, entry)
 
     def _schedule_retry(self, leases: Iterable[Lease], exc: BaseException) -> None:
         now = self._clock()
@@ -301,6 +287,22 @@ class Watchdog:
                 retrying,
                 describe_error(exc),
             )
+
+
+#: Heaps longer than this are scanned for due leases rather than popped one by one.
+_SCAN_FROM = 64
+
+
+#: The group of a client whose leases renew one by one.
+_ALONE = object()
+
+
+def _group_of(client: Any) -> Any:
+    """What a client's leases are batched by: its pool, a Cluster client itself, or none."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return pool
+    return client if is_cluster(client) else _ALONE
 
 
 def _reset_if_alive(ref: weakref.ref[Watchdog]) -> None:

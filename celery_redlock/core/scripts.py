@@ -36,10 +36,11 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # Take the lock and draw a fence in one round trip.
 #
 # KEYS[1]  lock key
-# KEYS[2]  fence key (same hash slot as the lock key)
+# KEYS[2]  fence counter (see fences.fence_key_for: one per store, or per hash
+#          slot on Cluster, so in the lock key's slot)
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
-# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
+# ARGV[3]  lifetime of the fence counter from its latest draw, in milliseconds
 # ARGV[4]  "0" on the first send; "1" when this same acquisition is sent again
 #          after its reply was lost (see Script), so it may find ARGV[1] held
 # ARGV[5]  (optional) "1": no fence below the server clock in microseconds
@@ -48,13 +49,18 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          "1", already held with ARGV[1]), otherwise the table
 #          {holder's PTTL in ms (-1: no expiry), holder's value}.
 #
+# Every name of a store (of a slot, on Cluster) draws from one counter. It only
+# grows, so each name's fences strictly increase, and the store keeps one key
+# for fences however many names it has seen.
+#
 # Fences count up from a seed: the server clock in microseconds, taken when the
-# fence key is missing (first use, a name unused for ARGV[3] ms, or a restart
-# that lost it). The seed exceeds every fence handed out before, because no
-# name is acquired a million times a second, so the fence key may expire and
-# keys never pile up. Each draw renews the key's expiry, so a name in use never
-# reseeds: in steady state the fence is a plain INCR, which keeps fences
-# strictly increasing even if the server clock steps back.
+# counter is missing (first use, unused for ARGV[3] ms, evicted, or a restart
+# that lost it). The seed exceeds every fence handed out before, because the
+# counter advances one per draw and no store draws a million fences a second:
+# from any seed, the counter stays behind the clock. So the counter may expire
+# or be lost and fences still increase. Each draw renews its expiry, so a store
+# in use never reseeds: in steady state the fence is a plain INCR, which keeps
+# fences strictly increasing even if the server clock steps back.
 #
 # With ARGV[5] "1" every fence is also at least the server clock in
 # microseconds. A replica promoted by a failover may hold a counter behind the
@@ -197,19 +203,28 @@ return result
 # Redlock: raise one master's fence counter to the fence about to be handed out.
 #
 # KEYS[1]  lock key
-# KEYS[2]  fence key (same hash slot as the lock key)
+# KEYS[2]  fence counter (same hash slot as the lock key)
 # ARGV[1]  token of the acquisition handing the fence out
 # ARGV[2]  the fence, in decimal
-# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
-# Returns  1 when the counter was lower (or missing) and now holds the fence;
-#          0 when it already held the fence or more: a value someone else drew;
+# ARGV[3]  lifetime of the fence counter from its latest draw, in milliseconds
+# Returns  1 when the counter now holds the fence or more and no other
+#          acquisition of this name can have drawn that much here: it was
+#          lower (or missing) and now holds the fence, or this token holds the
+#          lock key here;
+#          0 when the counter already held the fence or more and the lock key
+#          is free here: some other draw, maybe of this name, reached it;
 #          -1 when another token holds the lock key here (the counter is untouched).
 #
 # Only a 1 counts towards the majority the fence must be written to: a later
-# acquisition then meets a counter that this call raised before the fence was
-# handed out, so it draws a larger one. A master where someone else holds the
+# acquisition then meets a counter that held the fence before it was handed
+# out, so it draws a larger one. The counter is shared by every name, so it
+# often passed the fence already by other names' draws. Where this token holds
+# the lock key that is harmless: no acquisition of this name drew here since
+# this one's own draw (it could not take the key), and every earlier one drew
+# below it. Where the key is free, a draw of this name may have reached the
+# fence, so that master does not count. A master where someone else holds the
 # lock refuses, so the raise cannot land after a later holder drew its fence
-# there. Counters only grow; like a draw, a raise renews the key's expiry.
+# there. Counters only grow; like a draw, a raise renews the counter's expiry.
 RAISE_FENCE = Script(
     "raise_fence",
     """
@@ -220,6 +235,9 @@ end
 local current = redis.call('GET', KEYS[2])
 if current and tonumber(current) >= tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  if holder then
+    return 1
+  end
   return 0
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])

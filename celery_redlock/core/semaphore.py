@@ -25,6 +25,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .exceptions import LockError, LockNotAcquired, LockNotOwned
+from .fences import is_cluster
 from .holder import Holder, Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, LostCallback
 from .lock_options import DEFAULT_FENCE_RETENTION, LockSettings, Number, positive_seconds
@@ -86,7 +87,7 @@ class Semaphore(LockSettings):
             the permit was lost meanwhile (otherwise it logs a warning).
         auto_renew: Renew the permit from the watchdog thread while held.
         on_lost: Called with the :class:`PermitLease` when it is found lost.
-        fence_retention: Seconds the fence key outlives the name's latest use.
+        fence_retention: Seconds the fence counter outlives its latest draw.
         drift_factor: Share of the TTL deducted from local validity for clock drift.
         watchdog: The watchdog to renew with (default: the process-wide one).
         clock: Monotonic clock in seconds; injectable for tests.
@@ -136,7 +137,7 @@ class Semaphore(LockSettings):
             clock=clock,
             label=label,
         )
-        self.keys = keys = semaphore_keys(name)
+        self.keys = keys = semaphore_keys(name, cluster=is_cluster(redis))
         self._acquire_keys = (keys.permits, keys.fence, keys.waiters, keys.waiting)
         self._release_keys = (keys.permits, keys.waiters, keys.wake)
         self._watchdog = watchdog

@@ -1,8 +1,8 @@
 """The semaphore's Lua scripts: take a permit, give it back, renew permits, leave the wait list.
 
 A semaphore named ``name`` keeps its state in keys beside the name, all in the
-name's Redis Cluster hash slot (:func:`semaphore_keys`), so every script below
-runs on one node:
+name's Redis Cluster hash slot (:func:`semaphore_keys`), and draws its fences
+from the store's counter of that slot, so every script below runs on one node:
 
 ``<name>:permits``
     Sorted set of the permits held. A member is ``<slot>|<fence>|<token>``:
@@ -11,10 +11,9 @@ runs on one node:
     names the task, worker and process). The score is the permit's expiry in
     milliseconds on the server's clock. An expired member is a free slot:
     every acquire removes expired members before it counts.
-``<name>:fence``
-    The fence counter, the same key a :class:`~celery_redlock.Lock` of that
-    name draws from, so fences keep increasing when a name moves from one
-    holder to N.
+the fence counter (:func:`~celery_redlock.core.fences.fence_key_for`)
+    The counter a :class:`~celery_redlock.Lock` of that name draws from too,
+    so fences keep increasing when a name moves from one holder to N.
 ``<name>:waiters`` and ``<name>:waiting``
     The wait list of blocking acquires: one sorted set ordered by arrival (the
     server's clock in microseconds), one by when each entry lapses. A waiter
@@ -32,7 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .lock_options import fence_key_for, key_beside
+from .fences import fence_key_for
+from .lock_options import key_beside
 from .lua import Arg, Script
 
 __all__ = [
@@ -60,17 +60,17 @@ class SemaphoreKeys:
 
     __slots__ = ("fence", "permits", "waiters", "waiting", "wake")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, cluster: bool = False) -> None:
         self.permits = key_beside(name, "permits")
-        self.fence = str(fence_key_for(name))
+        self.fence = fence_key_for(name, cluster=cluster)
         self.waiters = key_beside(name, "waiters")
         self.waiting = key_beside(name, "waiting")
         self.wake = key_beside(name, "wake")
 
 
-def semaphore_keys(name: str) -> SemaphoreKeys:
-    """Return the keys of the semaphore ``name``."""
-    return SemaphoreKeys(name)
+def semaphore_keys(name: str, *, cluster: bool = False) -> SemaphoreKeys:
+    """Return the keys of the semaphore ``name`` (``cluster``: on a Redis Cluster client)."""
+    return SemaphoreKeys(name, cluster=cluster)
 
 
 def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
@@ -82,13 +82,13 @@ def _acquire_again(args: Sequence[Arg]) -> Sequence[Arg]:
 # (With no permit held the set does not exist: a new one gets the permit's TTL.)
 #
 # KEYS[1]  permits (sorted set; member "<slot>|<fence>|<token>", score = expiry in ms)
-# KEYS[2]  fence key
+# KEYS[2]  fence counter (see fences.fence_key_for)
 # KEYS[3]  waiters by arrival (score = server time in microseconds)
 # KEYS[4]  waiters by when their entry lapses (score in ms)
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds (> 0)
 # ARGV[3]  limit: most permits held at once
-# ARGV[4]  lifetime of the fence key from its latest use, in milliseconds
+# ARGV[4]  lifetime of the fence counter from its latest draw, in milliseconds
 # ARGV[5]  owner: the task id field of the token (see holder.Holder.owner_field), or ""
 # ARGV[6]  wait ms: "0" for a caller that does not wait; otherwise the caller
 #          joins (or stays on) the wait list, its entry lapsing after this long

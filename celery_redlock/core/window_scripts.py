@@ -110,12 +110,12 @@ return {redis.call('PTTL', KEYS[1]), current}
 # be enqueued or start in between, and draw a fence as ACQUIRE does.
 #
 # KEYS[1]  lock key
-# KEYS[2]  fence key (same hash slot as the lock key)
+# KEYS[2]  fence counter (see fences.fence_key_for; same hash slot as the lock key)
 # KEYS[3]  reservation key: the lock key itself (until_executed) or its
 #          ":queued" sibling (until_and_while_executing, same hash slot)
 # ARGV[1]  token of the execution lock
 # ARGV[2]  ttl in milliseconds (> 0)
-# ARGV[3]  lifetime of the fence key from its latest use, in milliseconds
+# ARGV[3]  lifetime of the fence counter from its latest draw, in milliseconds
 # ARGV[4]  the reservation value the message carries ("" for none)
 # Returns  {1, fence, found} when the lock was taken; found is 1 when the
 #          message's reservation was still there (and is now replaced or

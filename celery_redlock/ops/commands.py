@@ -339,7 +339,7 @@ def purge(
 
     Lists what it would delete and asks before deleting anything (--yes: does
     not ask; --dry-run: only lists). Live holders are not spared: their tasks
-    go on running without a lock. Fence counters stay, so fences keep increasing.
+    go on running without a lock. The fence counter stays, so fences keep increasing.
     """
     if (task is None) == (not everything):
         raise click.UsageError("give exactly one of --task NAME or --all")

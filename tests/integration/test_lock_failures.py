@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from celery_redlock import Lock, LockNotOwned, fence_key_for
+from celery_redlock.core.fences import FENCE_COUNTER
 from celery_redlock.core.scripts import ACQUIRE
 from tests.hold_log import fences_drawn_for
 
@@ -168,7 +169,7 @@ def test_bytes_names_and_single_connection_clients_work(redis_server):
     lock = client.lock(b"bytes-name", timeout=5, lock_class=Lock)
     with lock:
         assert client.get(b"bytes-name") == lock.token
-        assert client.exists(b"{bytes-name}:fence")
+        assert client.exists(FENCE_COUNTER.encode())
     assert not client.exists(b"bytes-name")
 
 

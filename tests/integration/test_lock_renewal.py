@@ -216,3 +216,65 @@ def test_watchdog_restarts_in_a_forked_child(redis_server):
     assert renewals >= 4
     assert parent_lock.owned() and not parent_lock.lost
     parent_lock.release()
+
+
+class _FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _NeverStarted:
+    def is_alive(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_three_thousand_locks_renew_in_one_write_per_period_for_five_ttls(
+    redis_server, monkeypatch
+):
+    """3,000 held locks, 15 renewal passes (5 TTLs) driven by hand: each pass is one write
+    on one connection carrying three script calls, renews every lock once, loses none."""
+    import redis.connection
+
+    client = redis_server.client()
+    clock = _FakeClock()
+    watchdog = Watchdog(clock=clock)
+    watchdog._thread = _NeverStarted()  # passes driven by hand
+    locks = [Lock(client, f"held:{i}", timeout=30, clock=clock) for i in range(3000)]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+        watchdog.watch(lock.lease)
+    writes: list[int] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, *args, **kwargs):
+        writes.append(self.port)
+        return send(self, *args, **kwargs)
+
+    for period in range(1, 16):
+        clock.now += 10  # a third of the TTL
+        if period == 2:  # the first pass opened the connection and cached the script
+            redis_server.reset_stats()
+            monkeypatch.setattr(
+                redis.connection.AbstractConnection, "send_packed_command", counting
+            )
+        writes.clear()
+        watchdog.renew_due()
+        if period >= 2:
+            assert writes == [redis_server.port]
+        assert [lock.lease.renewals for lock in locks] == [period] * 3000
+    monkeypatch.undo()
+    assert redis_server.commandstats().get("evalsha", 0) == 14 * 3  # 1,000 keys a call
+    assert not any(lock.lost for lock in locks)
+    pipe = client.pipeline(transaction=False)
+    for lock in locks:
+        pipe.pttl(lock.name)
+    assert all(0 < ttl <= 30_000 for ttl in pipe.execute())
+    for lock in locks:
+        lock.release()
+    assert client.keys("held:*") == []

@@ -39,13 +39,14 @@ def _claim(r: redis.Redis, drawn: Stamp, call_id: str, keep_ms: int = 60_000) ->
 
 
 def test_every_key_of_a_claim_shares_the_lock_keys_slot() -> None:
-    """Cluster: the lock, its fence and its generation hash hash to one slot."""
+    """Cluster: the lock, its slot's fence counter and its generation hash share one slot."""
 
     def task(document_id: Any, revision: Any) -> None:
         """A task keyed on one argument."""
 
     key = KeyBuilder("tasks.reindex", task, ["document_id"], "p").key_for((42, 7), {})
-    slots = {key_slot(k.encode()) for k in (key, fence_key_for(key), generation_key(key))}
+    counter = fence_key_for(key, cluster=True)
+    slots = {key_slot(k.encode()) for k in (key, counter, generation_key(key))}
     assert len(slots) == 1, key
 
 

@@ -291,3 +291,24 @@ def test_replies_and_commands_larger_than_one_socket_read_keep_connections_in_st
     lock.release()
     assert wait_until(lambda: lock_values(five, "big") == [None] * 5)
     warm(lock)
+
+
+def test_a_shared_counter_past_the_fence_counts_only_where_this_token_holds_the_key(r):
+    """RAISE_FENCE on one master: a counter that other names' draws moved past the fence
+    counts as a vote where this token holds the lock key (no draw of this name can have
+    happened there since its own), not where the key is free, never where another holds it."""
+    from celery_redlock.core.scripts import RAISE_FENCE
+
+    counter = fence_key_for("job")
+    r.set(counter, 500)
+    r.set("job", "mine")
+    assert RAISE_FENCE(r, ("job", counter), ("mine", 400, 60_000)) == 1
+    assert int(r.get(counter)) == 500  # counters never go down
+    r.delete("job")
+    assert RAISE_FENCE(r, ("job", counter), ("mine", 400, 60_000)) == 0
+    r.set("job", "theirs")
+    assert RAISE_FENCE(r, ("job", counter), ("mine", 900, 60_000)) == -1
+    assert int(r.get(counter)) == 500
+    r.delete("job")
+    assert RAISE_FENCE(r, ("job", counter), ("mine", 900, 60_000)) == 1
+    assert int(r.get(counter)) == 900

@@ -693,3 +693,19 @@ def test_eager_call_that_cannot_lock_fails_instead_of_recursing(make_app, lock_s
     assert runs == []
     eager.delay(2).get()
     assert runs == [2]
+
+
+def test_distinct_completed_tasks_leave_only_the_fence_counter(make_app, redis_server):
+    """200 tasks with distinct arguments run and finish: the lock store keeps the one
+    fence counter for them, not a key per distinct call."""
+    app = make_app()
+
+    @app.task(base=SingletonTask, name="t.distinct")
+    def distinct(x):
+        return current_lock().fence
+
+    with worker(app):
+        results = [distinct.delay(n) for n in range(200)]
+        fences = [result.get(timeout=30) for result in results]
+    assert len(set(fences)) == 200
+    assert redis_server.client().keys("redlock:*") == [b"redlock:fence"]

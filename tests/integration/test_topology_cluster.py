@@ -46,7 +46,7 @@ def keys_on(cluster: LocalCluster, pattern: str) -> list[bytes]:
 
 
 def test_lock_is_exclusive_and_its_fence_shares_the_lock_keys_slot(cluster, store):
-    """Acquire, contend, release on a Cluster; lock and fence key live on one node, one slot."""
+    """Acquire, contend, release on a Cluster; lock and its slot's fence counter share a slot."""
     name = f"c1:v1:{{t.job:{uuid.uuid4().hex}}}"
     first, second = store.lock(name, timeout=5), store.lock(name, timeout=5)
     assert first.acquire(blocking=False)
@@ -54,14 +54,15 @@ def test_lock_is_exclusive_and_its_fence_shares_the_lock_keys_slot(cluster, stor
     node = cluster.node_of(name)
     admin = node.client()
     assert admin.get(name) == first.token
-    assert admin.cluster("keyslot", name) == admin.cluster("keyslot", fence_key_for(name))
+    counter = fence_key_for(name, cluster=True)
+    assert admin.cluster("keyslot", name) == admin.cluster("keyslot", counter)
     fence = first.fence
-    assert int(admin.get(fence_key_for(name))) == fence
+    assert int(admin.get(counter)) == fence
     first.release()
     assert second.acquire(blocking=False)
     assert second.fence > fence
     second.release()
-    assert keys_on(cluster, "c1:*") == [fence_key_for(name).encode()]
+    assert keys_on(cluster, "c1:*") == []  # the slot's counter is all that stays
 
 
 def test_watchdog_renews_locks_of_every_slot_without_cross_slot_commands(cluster, store):
@@ -128,7 +129,8 @@ def test_singleton_task_end_to_end_on_a_cluster(cluster, redis_server):
         fence = first.get(timeout=10)
         # The lock is free as soon as the result is visible, on whichever node holds it.
         assert sync.delay("acme").get(timeout=10) > fence
-    assert keys_on(cluster, f"{prefix}:*") == [fence_key_for(key).encode()]
+    assert keys_on(cluster, f"{prefix}:*") == []
+    assert cluster.node_of(key).client().exists(fence_key_for(key, cluster=True))
 
 
 def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, store):
@@ -147,7 +149,7 @@ def test_semaphore_on_a_cluster_runs_every_script_on_its_keys_node(cluster, stor
     got: list[bool] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(blocking_timeout=20)))
     thread.start()
-    keys = semaphore_keys(name)
+    keys = semaphore_keys(name, cluster=True)
     node = cluster.node_of(name).client()
     wait_until(lambda: node.zcard(keys.waiters) == 1, 10, "the waiter to queue")
     wait_until(lambda: all(h.lease.renewals >= 2 for h in holders), 10, "two renewals each")
@@ -229,3 +231,90 @@ def test_cluster_failover_under_steady_locking(redis_server_binary, tmp_path):
 
         wait_until(progressed, 30, "both clients to lock on every shard again")
         check_grants(lockers(warm, fresh))
+
+
+def test_distinct_names_leave_one_fence_counter_per_slot(cluster, store):
+    """1,000 distinct names locked and released leave nothing but one counter per slot
+    they hash to, and each slot's fences strictly increase."""
+    from redis.crc import key_slot
+
+    prefix = f"c6{uuid.uuid4().hex[:6]}"
+    by_slot: dict[int, list[int]] = {}
+    for n in range(1_000):
+        name = f"{prefix}:v1:{{t.job:{n}}}"
+        lock = store.lock(name, timeout=10)
+        assert lock.acquire(blocking=False)
+        by_slot.setdefault(key_slot(name.encode()), []).append(lock.fence)
+        lock.release()
+    assert keys_on(cluster, f"{prefix}:*") == []
+    assert all(fences == sorted(set(fences)) for fences in by_slot.values())
+    counters = {key for node in cluster.nodes for key in node.client().scan_iter("redlock:fence*")}
+    expected = {
+        fence_key_for(f"{prefix}:v1:{{t.job:{n}}}", cluster=True).encode() for n in range(1_000)
+    }
+    assert len(expected) == len(by_slot) and expected <= counters
+
+
+class _Clock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _NeverStarted:
+    def is_alive(self) -> bool:
+        return True
+
+
+def test_watchdog_renews_every_slot_in_one_round_trip_per_node(cluster, store, monkeypatch):
+    """600 locks over hundreds of slots: a renewal pass sends one script call per slot,
+    all in one pipelined write per master, and renews every lock once."""
+    import redis.connection
+
+    from celery_redlock import Lock
+    from celery_redlock.core.scripts import RENEW
+
+    clock = _Clock()
+    watchdog = Watchdog(clock=clock)
+    watchdog._thread = _NeverStarted()  # passes driven by hand
+    client = store.client
+    prefix = f"c7{uuid.uuid4().hex[:6]}"
+    locks = [
+        Lock(client, f"{prefix}:v1:{{t.job:{n}}}", timeout=60, clock=clock) for n in range(600)
+    ]
+    for lock in locks:
+        assert lock.acquire(blocking=False)
+        watchdog.watch(lock.lease)
+    slots_per_node = {node.port: set() for node in cluster.nodes}
+    for lock in locks:
+        slots_per_node[cluster.node_of(lock.name).port].add(client.keyslot(lock.name))
+    assert all(len(slots) > 50 for slots in slots_per_node.values())
+
+    client.script_load(RENEW.source)  # every master knows it, as after any first pass
+    writes: dict[int, int] = {}
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, *args, **kwargs):
+        writes[self.port] = writes.get(self.port, 0) + 1
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    for node in cluster.nodes:
+        node.reset_stats()
+    for period in (1, 2):
+        clock.now += 20  # a third of the TTL
+        writes.clear()
+        watchdog.renew_due()
+        assert writes == {node.port: 1 for node in cluster.nodes}
+        assert [lock.lease.renewals for lock in locks] == [period] * 600
+    monkeypatch.undo()
+    for node in cluster.nodes:
+        calls = node.commandstats().get("evalsha", 0)
+        assert calls == 2 * len(slots_per_node[node.port])  # one call per slot and pass
+    assert not any(lock.lost for lock in locks)
+    for lock in locks:
+        lock.release()

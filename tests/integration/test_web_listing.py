@@ -6,6 +6,7 @@ from collections import Counter
 
 import redis
 
+from celery_redlock.core.fences import FENCE_COUNTER
 from celery_redlock.core.holder import Holder
 from celery_redlock.ops.web.detail import read_copies
 from celery_redlock.ops.web.listing import Cursor, Filters, read_page
@@ -17,7 +18,7 @@ def key(prefix: str, task: str, n: int, reserved: bool = False) -> str:
 
 
 def plant(client: redis.Redis, prefix: str = "web") -> dict[str, str]:
-    """230 locks of two tasks in two queues, 20 reservations, fences and unrelated keys."""
+    """230 locks of two tasks in two queues, 20 reservations, the fence counter, unrelated keys."""
     planted = {}
     pipe = client.pipeline()
     for n in range(230):
@@ -25,13 +26,13 @@ def plant(client: redis.Redis, prefix: str = "web") -> dict[str, str]:
         holder = Holder.new(f"t{n}", "w@h", ttl=60, queue="q1" if n % 3 else "q2")
         planted[key(prefix, task, n)] = holder.encode()
         pipe.set(key(prefix, task, n), holder.encode(), px=60_000)
-        pipe.set(key(prefix, task, n) + ":fence", n + 1)
     for n in range(20):
         planted[key(prefix, "app.alpha", 1000 + n, True)] = Holder.new(f"r{n}").encode()
         pipe.set(
             key(prefix, "app.alpha", 1000 + n, True),
             planted[key(prefix, "app.alpha", 1000 + n, True)],
         )
+    pipe.set(FENCE_COUNTER, 230)
     pipe.set(f"{prefix}:unrelated", 1)
     pipe.set(f"other:v1:{{app.alpha:{0:064x}}}", 1)
     pipe.execute()
@@ -52,7 +53,7 @@ def walk(nodes, prefixes, filters: Filters, size: int, budget: int = 50) -> tupl
 
 
 def test_pages_list_every_lock_and_reservation_exactly_once(r: redis.Redis) -> None:
-    """Paging by 50 yields each planted key once, fences and other prefixes never."""
+    """Paging by 50 yields each planted key once, the fence counter and other prefixes never."""
     planted = plant(r)
     rows, pages = walk([r], ["web"], Filters(), 50)
     assert Counter(info.key for info in rows) == Counter(list(planted))
@@ -60,7 +61,7 @@ def test_pages_list_every_lock_and_reservation_exactly_once(r: redis.Redis) -> N
     kinds = Counter(info.kind for info in rows)
     assert kinds == {"lock": 230, "reservation": 20}
     fenced = next(info for info in rows if info.key == key("web", "app.beta", 4))
-    assert fenced.fence == 5 and fenced.holder is not None and fenced.holder.task_id == "t4"
+    assert fenced.fence == 230 and fenced.holder is not None and fenced.holder.task_id == "t4"
 
 
 def test_filters_narrow_by_task_queue_and_key_text(r: redis.Redis) -> None:

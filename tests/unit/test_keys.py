@@ -45,11 +45,11 @@ def test_different_arguments_or_tasks_get_different_keys():
 
 
 def test_key_format_is_versioned_prefixed_and_hash_tagged():
-    """Keys carry prefix, version and a hash tag shared with the fence key."""
+    """Keys carry prefix, version and a hash tag; on Cluster the fence counter shares its slot."""
     key = builder().key_for((1, "d"), {})
     assert key.startswith(f"redlock:{KEY_VERSION}:{{reports.build:")
     assert key.endswith("}")
-    assert key_slot(key.encode()) == key_slot(fence_key_for(key).encode())
+    assert key_slot(key.encode()) == key_slot(fence_key_for(key, cluster=True).encode())
 
 
 def test_tuples_equal_lists_and_dict_order_does_not_matter():

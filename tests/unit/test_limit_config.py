@@ -127,7 +127,7 @@ def test_a_semaphore_needs_a_ttl() -> None:
 @pytest.mark.parametrize("name", ["plain", "redlock:v1:{proj.task:abc}", "{tag}rest", "a}b"])
 def test_a_semaphores_keys_share_one_cluster_slot(name: str) -> None:
     """Permits, fence, wait list and wake list live in one slot: every script runs on one node."""
-    keys = semaphore_keys(name)
+    keys = semaphore_keys(name, cluster=True)
     if "}" in name and "{" not in name:
         return  # no tag can share such a name's slot; outside Cluster only
     slots = {
@@ -135,4 +135,5 @@ def test_a_semaphores_keys_share_one_cluster_slot(name: str) -> None:
         for key in (keys.permits, keys.fence, keys.waiters, keys.waiting, keys.wake)
     }
     assert len(slots) == 1
-    assert keys.fence == fence_key_for(name)
+    assert keys.fence == fence_key_for(name, cluster=True)
+    assert semaphore_keys(name).fence == fence_key_for(name)  # outside Cluster: the store's

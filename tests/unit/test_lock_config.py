@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from redis.crc import key_slot
 
 from celery_redlock import ConfigurationError, Lease, Lock, LockNotOwned, fence_key_for
+from celery_redlock.core.fences import FENCE_COUNTER
 from celery_redlock.core.lease import DRIFT_FLOOR
 
 
@@ -72,25 +73,19 @@ def test_extend_rejects_non_positive_time_before_any_command(bad):
 
 @given(st.text(min_size=1, max_size=40))
 def test_fence_key_shares_the_lock_keys_cluster_slot(name):
-    """The acquire script touches both keys, so they must live in one Cluster slot."""
-    fence_key = fence_key_for(name)
+    """On Cluster the acquire script touches the lock key and its slot's counter: one slot."""
+    fence_key = fence_key_for(name, cluster=True)
     assert fence_key != name
-    if _has_hash_tag(name) or "}" not in name:
-        assert key_slot(fence_key.encode()) == key_slot(name.encode())
+    assert key_slot(fence_key.encode()) == key_slot(name.encode())
+    assert fence_key_for(name.encode(), cluster=True) == fence_key.encode()
 
 
-def _has_hash_tag(name: str) -> bool:
-    # Redis Cluster's rule: the first "{", then the first "}" after it, with
-    # at least one character between them.
-    start = name.find("{")
-    return start != -1 and name.find("}", start + 1) > start + 1
-
-
-@pytest.mark.parametrize("name", ["jobs:{}x}", "{}a}b", "a{}{b}"])
-def test_fence_key_of_a_name_starting_with_an_empty_tag_is_a_plain_suffix(name):
-    """An empty first tag makes Redis hash the whole key: no tag can share its slot."""
-    assert not _has_hash_tag(name)
-    assert fence_key_for(name) == f"{name}:fence"
+@pytest.mark.parametrize("name", ["jobs:{}x}", "{}a}b", "a{}{b}", "plain", "{tag}rest"])
+def test_every_name_of_a_store_draws_from_one_counter_or_one_per_slot(name):
+    """Outside Cluster every name shares one counter; on Cluster, one per slot, even for
+    names whose empty first tag makes Redis hash the whole key."""
+    assert fence_key_for(name) == FENCE_COUNTER
+    assert key_slot(fence_key_for(name, cluster=True).encode()) == key_slot(name.encode())
 
 
 def test_lease_validity_deducts_elapsed_time_and_drift():

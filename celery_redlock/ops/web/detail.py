@@ -1,11 +1,12 @@
 """The lock page's data: one key as every node holds it, its holder's state, its related keys.
 
 What the store keeps about a key besides the lock itself is little: the fence
-counter (the fence of the latest acquisition; every acquisition draws the
-next one) and, for the enqueue windows, the reservation beside the lock.
-Both are shown. The holder's state comes from Celery: the task's state in the
-result backend, and whether its worker answers a ping (with, on this host,
-whether its pid runs), as ``celery redlock release`` checks it.
+counter it draws from (shared by the store, or by the key's slot on Cluster:
+the latest fence drawn there; every acquisition draws the next one) and, for
+the enqueue windows, the reservation beside the lock. Both are shown. The
+holder's state comes from Celery: the task's state in the result backend,
+and whether its worker answers a ping (with, on this host, whether its pid
+runs), as ``celery redlock release`` checks it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from celery_redlock.core.fences import fence_key_for, is_cluster
 from celery_redlock.core.inventory import RESERVATION_SUFFIX, LockInfo, read_locks
-from celery_redlock.core.lock import fence_key_for
 from celery_redlock.ops.commands import Liveness, holder_liveness
 
 __all__ = ["Detail", "Related", "read_copies", "read_detail", "task_state"]
@@ -80,7 +81,8 @@ def task_state(app: Any, task_id: str) -> str:
 
 def _related(node: Any, info: LockInfo) -> list[Related]:
     lock_key = info.key.removesuffix(RESERVATION_SUFFIX)
-    keys: list[tuple[str, str]] = [("fence counter", str(fence_key_for(lock_key)))]
+    fence_key = fence_key_for(lock_key, cluster=is_cluster(node))
+    keys: list[tuple[str, str]] = [("fence counter", fence_key)]
     if info.kind == "reservation":
         keys.append(("lock", lock_key))
     else:

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from celery_redlock.asyncio import Lock
+from celery_redlock.core.fences import FENCE_COUNTER
 
 
 async def in_flight(client) -> None:
@@ -58,7 +59,7 @@ def test_cancel_during_acquire_leaves_no_lock(arun, redis_server, ttl):
         with pytest.raises(asyncio.CancelledError):
             await task
         # The acquire did run on the server (it drew a fence), and was undone.
-        assert await client.exists("{cancel-acquire}:fence")
+        assert await client.exists(FENCE_COUNTER)
         assert await client.get("cancel-acquire") is None
         assert lock.token is None
         assert await Lock(client, "cancel-acquire", timeout=10).acquire(blocking=False)
@@ -239,7 +240,7 @@ def test_asyncio_timeout_during_an_acquire_in_flight_becomes_timeout_error(arun,
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
                 await lock.acquire(blocking=False)
-        assert await client.exists("{timed}:fence")  # the acquire ran on the server...
+        assert await client.exists(FENCE_COUNTER)  # the acquire ran on the server...
         assert await client.get("timed") is None  # ...and was undone
         assert lock.token is None
 

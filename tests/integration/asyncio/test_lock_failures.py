@@ -17,6 +17,7 @@ import redis.asyncio
 from celery_redlock import LockNotOwned, fence_key_for
 from celery_redlock.asyncio import Lock
 from celery_redlock.asyncio.scripts import run_script
+from celery_redlock.core.fences import FENCE_COUNTER
 from celery_redlock.core.scripts import ACQUIRE
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
@@ -171,7 +172,7 @@ def test_single_connection_clients_and_bytes_names_work(arun):
         lock = client.lock(b"bytes-name", timeout=5, lock_class=Lock)
         async with lock:
             assert await client.get(b"bytes-name") == lock.token
-            assert await client.exists(b"{bytes-name}:fence")
+            assert await client.exists(FENCE_COUNTER.encode())
         assert not await client.exists(b"bytes-name")
 
     arun(scenario, single_connection_client=True)

@@ -10,6 +10,7 @@ import redis.asyncio
 
 from celery_redlock import ConfigurationError, LockNotAcquired, LockNotOwned, QuorumNotAchieved
 from celery_redlock.asyncio import Redlock, drain
+from celery_redlock.core.fences import FENCE_COUNTER
 
 
 def run_on(servers, scenario, **client_kwargs):
@@ -116,7 +117,7 @@ def test_hung_master_costs_acquire_and_release_nothing(redis_servers):
         lock = Redlock(clients, "rl", timeout=120, node_timeout=30)
         assert await lock.acquire(blocking=False)  # connections opened, scripts cached
         await lock.release()
-        fence = int(await clients[2].get("{rl}:fence"))
+        fence = int(await clients[2].get(FENCE_COUNTER))
         servers[2].pause()
 
         async def cycles():
@@ -131,7 +132,7 @@ def test_hung_master_costs_acquire_and_release_nothing(redis_servers):
         # Once resumed it runs each queued acquire, then the release sent behind it.
         assert await eventually(lambda: no_key(clients))
         # Queued acquires met each other's keys there, so at least one (not all) granted.
-        assert int(await clients[2].get("{rl}:fence")) > fence
+        assert int(await clients[2].get(FENCE_COUNTER)) > fence
 
     run_on(servers, scenario)
 
@@ -185,7 +186,7 @@ def test_two_of_three_down_fail_with_each_error_and_leave_no_key(redis_servers):
         # background, which drain() waits for.
         assert await drain(10)
         assert not await clients[2].exists("rl")
-        assert await clients[2].exists("{rl}:fence")  # it had granted
+        assert await clients[2].exists(FENCE_COUNTER)  # it had granted
 
     run_on(servers, scenario)
 
@@ -198,7 +199,7 @@ def test_late_grant_of_a_failed_attempt_is_released_when_it_lands(redis_servers)
         lock = Redlock(clients, "rl", timeout=10, node_timeout=0.3)
         assert await lock.acquire(blocking=False)
         await lock.release()
-        fence = int(await clients[2].get("{rl}:fence"))
+        fence = int(await clients[2].get(FENCE_COUNTER))
         await clients[0].set("rl", "other-holder", px=30000)
         servers[2].pause()
         try:
@@ -211,7 +212,7 @@ def test_late_grant_of_a_failed_attempt_is_released_when_it_lands(redis_servers)
         error = lock.local.failure
         assert "node timeout" in str(error.errors[lock.nodes[2]])
         assert await eventually(lambda: no_key(clients[1:]))
-        assert int(await clients[2].get("{rl}:fence")) == fence + 1  # the late grant landed
+        assert int(await clients[2].get(FENCE_COUNTER)) == fence + 1  # the late grant landed
         assert await clients[0].get("rl") == b"other-holder"
 
     run_on(servers, scenario)
@@ -229,14 +230,14 @@ def test_the_largest_fence_is_raised_on_a_majority(redis_servers):
         # Every pair of masters now draws two different fences. Each counter is
         # set: a master that ran the first acquire late (a loaded machine) seeded
         # its own from a later clock reading, anywhere between these.
-        await clients[0].set("{rl}:fence", first)
-        await clients[1].set("{rl}:fence", first + 500)
-        await clients[2].set("{rl}:fence", first + 1000)
+        await clients[0].set(FENCE_COUNTER, first)
+        await clients[1].set(FENCE_COUNTER, first + 500)
+        await clients[2].set(FENCE_COUNTER, first + 1000)
         assert await lock.acquire(blocking=False)
         fence = lock.fence
         assert fence in (first + 501, first + 1001)
         # A majority holds it when acquire returns.
-        fences = [int(await c.get("{rl}:fence")) for c in clients]
+        fences = [int(await c.get(FENCE_COUNTER)) for c in clients]
         assert fences.count(fence) >= 2 and min(fences) <= fence <= max(fences)
         await lock.release()
         assert await lock.acquire(blocking=False)

@@ -1,0 +1,149 @@
+"""Instructions per task in one pool process: SingletonTask against plain and the incumbents.
+
+Run from the repository root, with the project's virtualenv::
+
+    python bench/task_instructions.py [--old PATH] [--calls 300] [--skip-calls 100]
+
+The wall-clock benchmark (``bench/task_bench.py``) needs a quiet machine; on
+two cores shared with other test runs its rates swing by several times from
+round to round. This counts instead what a pool process executes per task,
+which load does not change: each variant runs ``--calls`` tasks through
+Celery's own tracer (``build_tracer`` after ``setup_worker_optimizations``,
+results stored in a private redis-server that is also the lock store), with
+the worker's counters on as a worker turns them on (``stats.enable`` and
+``metrics.enable``, whose receivers every task's signals reach), under
+``valgrind --tool=callgrind``. Counters are zeroed and dumped on entry to
+``time.process_time``, which the probe calls right before and after the
+counted calls, so the dump holds exactly those (after 100 warm-up calls and
+``gc.freeze()``).
+
+Variants: ``plain`` (``bench.plain``), ``task`` (``bench.redlock``, uncontended,
+distinct arguments), ``once`` and ``singleton`` (the incumbents' worker side),
+and ``skip`` (``bench.hold`` whose lock another holder has: acquire refused,
+``SKIPPED`` recorded, ``Ignore``). ``--old PATH`` also counts ``task`` and
+``skip`` for the package at PATH (a checkout of another revision), in the same
+run. Instructions are user-space only: the system calls of the round trips
+are not in them, which is why the wall-clock benchmark still decides the
+throughput targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {
+    "plain": "bench.plain",
+    "task": "bench.redlock",
+    "once": "bench.once",
+    "singleton": "bench.singleton",
+    "skip": "bench.hold",
+}
+PROCESS_TIME_SYMBOL = "time_process_time"
+
+
+def probe(variant: str, url: str, calls: int) -> None:
+    """Run ``calls`` traced tasks of ``variant`` between two ``time.process_time`` calls."""
+    os.environ.update(BENCH_TASK_BROKER=url, BENCH_TASK_LOCK_URL=url)
+    import celery.app.trace as trace
+    import redis
+
+    from bench.task_app import app
+    from celery_redlock.celery import metrics, stats
+
+    trace.setup_worker_optimizations(app, hostname="probe")
+    stats.enable(app, 2)
+    metrics.enable(app, 2)
+    name = VARIANTS[variant]
+    tracer = trace.build_tracer(name, app.tasks[name], app=app, eager=False)
+    if variant == "skip":
+        held = app.tasks[name].lock_key_for("probe", 60.0)
+        redis.Redis.from_url(url).set(held, "v1|token|holder|probe|1", px=600_000)
+        arguments = iter(lambda: ("probe", 60.0), None)
+    else:
+        first = time.time_ns() // 1000  # distinct from any earlier run's keys
+        arguments = ((first + i,) for i in range(10**9))
+    delivery = {"exchange": "", "routing_key": "celery", "priority": 0, "redelivered": False}
+    ids = [str(uuid.uuid4()) for _ in range(calls + 100)]
+
+    def call(task_id: str) -> None:
+        args = next(arguments)
+        request = {"id": task_id, "hostname": "probe", "args": args, "kwargs": {}}
+        tracer(task_id, args, {}, dict(request, delivery_info=delivery))
+
+    for task_id in ids[:100]:
+        call(task_id)
+    gc.collect()
+    gc.freeze()
+    cpu = time.process_time()
+    for task_id in ids[100:]:
+        call(task_id)
+    cpu = time.process_time() - cpu
+    print(json.dumps({"calls": calls, "cpu_us": cpu / calls * 1e6}))
+
+
+def count(tree: Path, variant: str, url: str, calls: int, workdir: Path) -> float:
+    """Instructions per call of ``variant`` with the package of ``tree``, from callgrind."""
+    out = workdir / f"{variant}.{abs(hash(str(tree)))}.callgrind"
+    argv = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}"]
+    argv += [f"--zero-before={PROCESS_TIME_SYMBOL}", f"--dump-before={PROCESS_TIME_SYMBOL}"]
+    argv += [sys.executable, __file__, "--probe", variant, "--url", url, "--calls", str(calls)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))
+    env["PYTHONHASHSEED"] = "0"
+    subprocess.run(argv, env=env, cwd=ROOT, check=True, timeout=3600, capture_output=True)
+    for line in out.with_name(out.name + ".2").read_text().splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1]) / calls
+    raise RuntimeError(f"no totals in {out}.2")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Count every variant (and ``task``/``skip`` of ``--old``) and print a Markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=300, help="counted tasks per variant")
+    parser.add_argument("--skip-calls", type=int, default=100, help="counted skips")
+    parser.add_argument("--old", default=None, help="checkout of another revision to compare")
+    parser.add_argument("--probe", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe:
+        probe(args.probe, args.url, args.calls)
+        return 0
+    if shutil.which("valgrind") is None:
+        parser.error("valgrind is not on PATH")
+    sys.path.insert(0, str(ROOT))
+    from bench.task_bench import private_redis
+
+    trees = [("new", ROOT)] + ([("old", Path(args.old).resolve())] if args.old else [])
+    rows: dict[tuple[str, str], float] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="task-instr-") as tmp,
+        private_redis(Path(tmp), "redis") as url,
+    ):
+        for side, tree in trees:
+            for variant in VARIANTS if side == "new" else ("task", "skip"):
+                calls = args.skip_calls if variant == "skip" else args.calls
+                rows[(side, variant)] = count(tree, variant, url, calls, Path(tmp))
+                print(f"{side} {variant}: {rows[(side, variant)]:,.0f}", file=sys.stderr)
+    plain = rows[("new", "plain")]
+    print("| variant | instructions/task | over plain |")
+    print("|---|---:|---:|")
+    for (side, variant), value in rows.items():
+        label = f"{variant} ({side})" if args.old else variant
+        over = "-" if variant in ("plain", "skip") else f"{value - plain:+,.0f}"
+        print(f"| {label} | {value:,.0f} | {over} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
