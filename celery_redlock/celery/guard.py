@@ -33,6 +33,7 @@ from celery_redlock.calls.decisions import (
     rate_keys,
     rate_limited,
     requeue_countdown,
+    requeues_charged,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import LockOptions
@@ -243,7 +244,7 @@ class TaskGuard(Guard[Any]):
             refusal,
             request.id,
             self.options.on_conflict,
-            requeues=requeues_of(request),
+            requeues=requeues_charged(self.options, requeues_of(request), refusal),
             max_requeues=self.options.max_requeues,
             # An eager call cannot be requeued: the requeue would run it again
             # at once, inside this call (see _requeue).
