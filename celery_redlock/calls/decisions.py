@@ -18,7 +18,12 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import LockNotAcquired, RateLimited, ReplicationError
+from celery_redlock.core.exceptions import (
+    ConfigurationError,
+    LockNotAcquired,
+    RateLimited,
+    ReplicationError,
+)
 from celery_redlock.core.holder import Refusal
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.rate import Rate, RateVerdict
@@ -40,6 +45,7 @@ __all__ = [
     "rate_wait",
     "requeue_countdown",
     "requeue_delay",
+    "requeues_charged",
 ]
 
 logger = logging.getLogger(__name__)
@@ -124,14 +130,22 @@ def gave_up(
     refusal: Refusal,
     unreachable: RedisError | None = None,
 ) -> LockNotAcquired:
-    """The error of a call that used up its requeues (to a holder, or to an unreachable store)."""
+    """The error of a call that used up its requeues (to a holder, or to an unreachable store).
+
+    A call waiting in line is charged by its wait (:func:`requeues_charged`):
+    the message then says how long it waited.
+    """
     why = (
         f"the lock store kept failing for {key} ({describe_error(unreachable)})"
         if unreachable is not None
         else f"lock {key} stayed held by {refusal.holder_id or 'another holder'}"
     )
+    spent = f"{max_requeues} requeues"
+    if refusal.rank is not None and refusal.arrival_us is not None and refusal.now_ms:
+        waited = refusal.now_ms / 1000 - refusal.arrival_us / 1_000_000
+        spent += f" (waited {waited:.1f} s in line, what the backoff of {spent} takes)"
     error = LockNotAcquired(
-        f"{what} gave up after {max_requeues} requeues: {why}",
+        f"{what} gave up after {spent}: {why}",
         lock_name=key,
         holder=refusal.holder_id,
         holder_ttl=refusal.ttl,
@@ -204,6 +218,33 @@ def fair_countdown(
     return max(poll, min(delay, options.requeue_max_delay))
 
 
+def requeues_charged(options: LockOptions, requeues: int, refusal: Refusal) -> int:
+    """How many requeues a refused call is charged against ``max_requeues``.
+
+    A call waiting in line (``refusal.rank`` set) polls much more often than
+    the backoff would requeue it (the next waiter every quarter second), so it
+    is charged by how long it has waited since it joined the line: as many
+    requeues as the plain backoff, without jitter, would have made in that
+    time. It gives up no sooner than it would have without the line. Any
+    other call is charged its ``requeues`` so far.
+    """
+    if refusal.rank is None or refusal.arrival_us is None or refusal.now_ms is None:
+        return requeues
+    waited = refusal.now_ms / 1000 - refusal.arrival_us / 1_000_000
+    charged, spent = 0, 0.0
+    while charged < options.max_requeues:
+        delay = requeue_delay(options, charged + 1, 0.0)
+        if delay >= options.requeue_max_delay or charged > 40:
+            # From here on every countdown is the same: the rest in one step.
+            charged += max(0, int((waited - spent) // delay))
+            break
+        if spent + delay > waited:
+            break
+        spent += delay
+        charged += 1
+    return min(charged, options.max_requeues)
+
+
 def log_store_failure(
     what: str, key: str, exc: RedisError, action: str, log: logging.Logger = logger
 ) -> str:
@@ -245,9 +286,13 @@ def rate_keys(
     (``rate_key`` and ``key`` for the decorator and RQ).
 
     Raises:
-        ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run`` does not take.
+        ConfigurationError: If ``rate_key`` (or ``key``) names an argument ``run``
+            does not take; for the decorator and RQ (``option`` ``"rate_key"``,
+            which have no other source of a rate), if ``rate_key`` comes without a rate.
     """
     if options.rate is None:
+        if options.rate_key is not None and option == "rate_key":
+            raise ConfigurationError(option, options.rate_key, "needs a rate (rate=...)")
         return None
     prefix = f"{options.key_prefix}:rate"
     if options.rate_key is None:

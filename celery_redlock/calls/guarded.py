@@ -162,10 +162,7 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         return _run_rated(guard, call, call.rate_key, body)
     try:
         lock = guard.new_lock(call)
-        if call.place is None:
-            acquired = lock.acquire(token=call.token)
-        else:
-            acquired = lock.acquire(token=call.token, place=call.place)
+        acquired = _acquire(lock, call)
     except RedisError as exc:
         return run_unprotected(guard, call, exc, body)
     if not acquired:
@@ -180,37 +177,79 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
         guard.release(call, lock, lease)
 
 
+def _acquire(lock: Any, call: Call) -> bool:
+    """One attempt at ``call``'s lock: in line when the call has a place (may raise RedisError)."""
+    if call.place is None:
+        return bool(lock.acquire(token=call.token))
+    return bool(lock.acquire(token=call.token, place=call.place))
+
+
 def _run_rated(guard: Guard[Any], call: Call, rate_key: str, body: Callable[[], T]) -> T:
     """:func:`run_guarded` for a call with a rate key: admitted by its limit, then locked.
 
     The admission is one round trip; a call over the limit waits in place when
     :meth:`Guard.rate_retry_in` says so (exactly until a slot frees), else goes
     to :meth:`Guard.rate_limited`; an admission whose lock is then refused is
-    taken back.
+    taken back. A lock that waits for its holder is taken first (see
+    :func:`_run_rated_after_lock`).
     """
     started = time.monotonic()
-    while True:
-        try:
-            limiter = guard.rate_limiter(call)
-            verdict = limiter.acquire(rate_key, call.call_id)
-            if verdict.admitted:
-                lock = guard.new_lock(call)
-                if call.place is None:
-                    acquired = lock.acquire(token=call.token)
-                else:
-                    acquired = lock.acquire(token=call.token, place=call.place)
-        except RedisError as exc:
-            return run_unprotected(guard, call, exc, body)
-        if verdict.admitted:
-            break
-        delay = guard.rate_retry_in(call, verdict, time.monotonic() - started)
-        if delay is None:
-            return guard.rate_limited(call, verdict)  # type: ignore[no-any-return]
-        time.sleep(delay)
-    slot = RateSlot(rate_key, limiter, verdict)
+    try:
+        lock = guard.new_lock(call)
+        if getattr(lock, "blocking", False):
+            return _run_rated_after_lock(guard, call, rate_key, lock, body)
+        slot = _admit(guard, call, rate_key, started)
+        acquired = slot.verdict.admitted and _acquire(lock, call)
+    except RedisError as exc:
+        return run_unprotected(guard, call, exc, body)
+    if not slot.verdict.admitted:
+        return guard.rate_limited(call, slot.verdict)  # type: ignore[no-any-return]
     if not acquired:
         _refund(slot)
         return guard.refused(call, lock)  # type: ignore[no-any-return]
+    return _run_holding(guard, call, lock, slot, body)
+
+
+def _run_rated_after_lock(
+    guard: Guard[Any], call: Call, rate_key: str, lock: Any, body: Callable[[], T]
+) -> T:
+    """Wait for the lock, then for a rate slot, then run: the start falls in the window counted.
+
+    A slot taken before a long wait for the lock would count the start in a
+    window the call no longer starts in, letting more than the rate start in a
+    later one. The lock is renewed while the call waits for its slot.
+    """
+    started = time.monotonic()
+    if not _acquire(lock, call):
+        return guard.refused(call, lock)  # type: ignore[no-any-return]
+    try:
+        slot = _admit(guard, call, rate_key, started)
+    except RedisError as exc:
+        guard.release(call, lock, lock.lease)
+        return run_unprotected(guard, call, exc, body)
+    if not slot.verdict.admitted:
+        guard.release(call, lock, lock.lease)
+        return guard.rate_limited(call, slot.verdict)  # type: ignore[no-any-return]
+    return _run_holding(guard, call, lock, slot, body)
+
+
+def _admit(guard: Guard[Any], call: Call, rate_key: str, started: float) -> RateSlot:
+    """Ask the rate limit until it admits or the guard stops waiting (may raise RedisError)."""
+    limiter = guard.rate_limiter(call)
+    while True:
+        verdict = limiter.acquire(rate_key, call.call_id)
+        if verdict.admitted:
+            return RateSlot(rate_key, limiter, verdict)
+        delay = guard.rate_retry_in(call, verdict, time.monotonic() - started)
+        if delay is None:
+            return RateSlot(rate_key, limiter, verdict)
+        time.sleep(delay)
+
+
+def _run_holding(
+    guard: Guard[Any], call: Call, lock: Any, slot: RateSlot, body: Callable[[], T]
+) -> T:
+    """Run ``body`` under the lock just taken and the rate slot just admitted; release after."""
     lease = lock.lease
     guard.acquired(call, lease)
     try:

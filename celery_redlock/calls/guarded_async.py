@@ -37,19 +37,31 @@ async def run_guarded_async(guard: Guard[Any], call: Call, body: Callable[[], Aw
     the asyncio one, and a wait in place is an ``asyncio.sleep``.
     """
     slot: RateSlot | None = None
+    acquired = False
+    started = time.monotonic()
     try:
-        if call.rate_key is not None:
-            slot = await _admit(guard, call, call.rate_key)
+        lock = guard.new_lock(call)
+        # A lock that waits for its holder is taken before the rate slot, so
+        # the start falls in the window that counted it (see guarded.py).
+        waits = bool(getattr(lock, "blocking", False))
+        if call.rate_key is not None and not waits:
+            slot = await _admit(guard, call, call.rate_key, started)
             if not slot.verdict.admitted:
                 return guard.rate_limited(call, slot.verdict)  # type: ignore[no-any-return]
-        lock = guard.new_lock(call)
         acquired = await lock.acquire(token=call.token)
+        if acquired and call.rate_key is not None and waits:
+            slot = await _admit(guard, call, call.rate_key, started)
     except RedisError as exc:
+        if acquired:  # the rate failed after the lock was taken: give it back
+            await _release(guard, lock, lock.lease)
         return await _unprotected(guard, call, exc, body)
     if not acquired:
         if slot is not None:
             await _refund(slot)
         return guard.refused(call, lock)  # type: ignore[no-any-return]
+    if slot is not None and not slot.verdict.admitted:
+        await _release(guard, lock, lock.lease)
+        return guard.rate_limited(call, slot.verdict)  # type: ignore[no-any-return]
     lease = lock.lease
     guard.acquired(call, lease)
     try:
@@ -57,15 +69,18 @@ async def run_guarded_async(guard: Guard[Any], call: Call, body: Callable[[], Aw
             guard.starting(call, lease)
             return await body()
     finally:
-        try:
-            await lock.release()
-        except (RedisError, LockError) as error:
-            release_failed(lease, guard.kind, error, guard.log)
+        await _release(guard, lock, lease)
 
 
-async def _admit(guard: Guard[Any], call: Call, rate_key: str) -> RateSlot:
+async def _release(guard: Guard[Any], lock: Any, lease: Any) -> None:
+    try:
+        await lock.release()
+    except (RedisError, LockError) as error:
+        release_failed(lease, guard.kind, error, guard.log)
+
+
+async def _admit(guard: Guard[Any], call: Call, rate_key: str, started: float) -> RateSlot:
     """Ask the rate limit until it admits or the guard stops waiting (may raise RedisError)."""
-    started = time.monotonic()
     limiter = guard.rate_limiter(call)
     while True:
         verdict = await limiter.acquire(rate_key, call.call_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, TypeVar
@@ -32,6 +33,7 @@ from celery_redlock.calls.decisions import (
     rate_keys,
     rate_limited,
     requeue_countdown,
+    requeues_charged,
 )
 from celery_redlock.calls.guarded import UNPROTECTED, Call, Guard, run_guarded
 from celery_redlock.calls.options import LockOptions
@@ -45,7 +47,7 @@ from celery_redlock.core.lock import Lease, Lock
 from celery_redlock.core.rate import RateLimiter, RateVerdict
 from celery_redlock.core.store import LockStore
 
-from . import signals
+from . import events
 from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 from .queueing import in_line, line_header, place_for, seen_in_line, waited
 from .result import SKIPPED, already_done
@@ -74,9 +76,11 @@ def requeuing() -> bool:
 class TaskCall(Call):
     """A task's call: also whether it is a copy that met its own task's lock (read once)."""
 
-    __slots__ = ("met_itself",)
+    __slots__ = ("met_itself", "started")
 
     met_itself: bool
+    #: ``time.monotonic()`` when the run began: the start of the lock wait the metrics measure.
+    started: float
 
 
 class TaskGuard(Guard[Any]):
@@ -126,6 +130,7 @@ class TaskGuard(Guard[Any]):
 
     def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
         """Describe the running request's call: its key, and the holder its lock will name."""
+        started = time.monotonic()
         task, request = self.task, self.task.request
         value = Holder.new_value(
             request.id,
@@ -135,6 +140,7 @@ class TaskGuard(Guard[Any]):
         )
         label = f"task {task.name}[{request.id}]"
         call = TaskCall(self.keys.key_for(args, kwargs), value, label, request.id)
+        call.started = started
         call.met_itself = self._met_itself(request)
         if self._in_line:
             call.place = place_for(request, self.options)
@@ -195,16 +201,17 @@ class TaskGuard(Guard[Any]):
         }
 
     def acquired(self, call: Call, lease: Lease) -> None:
-        """Log the acquisition and send ``lock_acquired``."""
+        """Log and count the acquisition; send ``lock_acquired`` to its receivers."""
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s acquired", lease.describe())
-        signals.lock_acquired.send(
-            sender=self.task,
-            task_id=call.call_id,
-            key=call.key,
-            fence=lease.fence,
-            ttl=self.options.ttl,
-            waited=waited(call.place),
+        events.send_acquired(
+            self.task,
+            call.call_id,
+            call.key,
+            lease.fence,
+            self.options.ttl,
+            waited(call.place),
+            getattr(call, "started", None),
         )
 
     def starting(self, call: Call, lease: Lease) -> None:
@@ -214,30 +221,18 @@ class TaskGuard(Guard[Any]):
             raise Ignore()
 
     def release(self, call: Call, lock: Any, lease: Lease) -> bool:
-        """Release, then send ``lock_released`` with whether the lock was still this run's.
+        """Release, then count it and send ``lock_released`` (was the lock still this run's).
 
         Runs in the finally of the task body: before Celery stores the result,
         so a caller that sees the result can enqueue the same call at once.
         """
         owned = super().release(call, lock, lease)
-        signals.lock_released.send(
-            sender=self.task,
-            task_id=self.task.request.id,
-            key=lease.name,
-            fence=lease.fence,
-            owned=owned,
-        )
+        events.send_released(self.task, call.call_id, lease.name, lease.fence, owned)
         return owned
 
     def _report_lost(self, lease: Lease, task_id: str | None) -> None:
         # Runs on the watchdog thread; the lease has already logged the loss.
-        signals.lock_lost.send(
-            sender=self.task,
-            task_id=task_id,
-            key=lease.name,
-            fence=lease.fence,
-            reason=lease.loss_reason,
-        )
+        events.send_lost(self.task, task_id, lease.name, lease.fence, lease.loss_reason)
 
     def refused(self, call: Call, lock: Any) -> NoReturn:
         """Skip, requeue or raise as ``on_conflict`` says; wait for an own earlier delivery."""
@@ -249,7 +244,7 @@ class TaskGuard(Guard[Any]):
             refusal,
             request.id,
             self.options.on_conflict,
-            requeues=requeues_of(request),
+            requeues=requeues_charged(self.options, requeues_of(request), refusal),
             max_requeues=self.options.max_requeues,
             # An eager call cannot be requeued: the requeue would run it again
             # at once, inside this call (see _requeue).
@@ -290,14 +285,14 @@ class TaskGuard(Guard[Any]):
             key,
             action,
         )
-        signals.lock_contended.send(
-            sender=task,
-            task_id=request.id,
-            key=key,
-            holder=refusal.holder.task_id if refusal.holder else None,
-            action=action,
-            attempt=attempt,
-            line=refusal.waiting if refusal.rank is not None else None,
+        events.send_contended(
+            task,
+            request.id,
+            key,
+            refusal.holder.task_id if refusal.holder else None,
+            action,
+            attempt,
+            refusal.waiting if refusal.rank is not None else None,
         )
 
     def _requeue(

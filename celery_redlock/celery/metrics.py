@@ -5,8 +5,9 @@ in a second table of the same shared memory design (one row of cells per
 process, summed when read), what the Prometheus metrics need besides them:
 
 * the **lock wait** of each acquisition: seconds from the start of the task's
-  run (``task_prerun``) to holding its lock, the acquire round trip (a quorum
-  on Redlock, the handover of an enqueue reservation) in a histogram;
+  run (the guard's first step, just after ``task_prerun``) to holding its
+  lock, the acquire round trip (a quorum on Redlock, the handover of an
+  enqueue reservation) in a histogram;
 * the **held locks**: acquisitions minus releases. A pool process killed
   while it holds a lock leaves its count behind; the process that takes its
   place (billiard gives it the same index, hence the same row) clears it, so
@@ -28,9 +29,7 @@ import time
 import weakref
 from typing import Any
 
-from celery import signals as celery_signals
-
-from . import signals
+from . import events
 from .reaper import REASONS
 from .stats import StatsTable
 
@@ -121,8 +120,6 @@ _tables: weakref.WeakKeyDictionary[Any, WaitTable] = weakref.WeakKeyDictionary()
 _reaped: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 _passes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _reaped_guard = threading.Lock()
-# task id -> monotonic start of its run, in the process that runs it.
-_run_started: dict[str, float] = {}
 
 
 def enable(app: Any, processes: int) -> WaitTable:
@@ -132,11 +129,7 @@ def enable(app: Any, processes: int) -> WaitTable:
     :func:`celery_redlock.celery.stats.enable`.
     """
     table = _tables[app] = WaitTable(app.tasks.keys(), processes)
-    uid = "celery-redlock-metrics"
-    celery_signals.task_prerun.connect(_on_prerun, weak=False, dispatch_uid=uid)
-    celery_signals.task_postrun.connect(_on_postrun, weak=False, dispatch_uid=uid)
-    signals.lock_acquired.connect(_on_acquired, weak=False, dispatch_uid=uid)
-    signals.lock_released.connect(_on_released, weak=False, dispatch_uid=uid)
+    events.count_with(_COUNTERS)
     return table
 
 
@@ -179,28 +172,20 @@ def _table_of(task: Any) -> WaitTable | None:
     return _tables.get(app) if app is not None else None
 
 
-def _on_prerun(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
-    if task_id is not None and _table_of(sender) is not None:
-        _run_started[task_id] = time.monotonic()
-
-
-def _on_postrun(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
-    if task_id is not None:
-        _run_started.pop(task_id, None)
-
-
-def _on_acquired(sender: Any = None, task_id: str | None = None, **kwargs: Any) -> None:
-    table = _table_of(sender)
+def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
+    table = _table_of(task)
     if table is None:
         return
-    started = _run_started.pop(task_id, None) if task_id is not None else None
-    if started is None:  # no task_prerun: not a worker's run, no wait to tell
-        table.taken(sender.name)
+    if started is None:  # a guard that did not time its run: no wait to tell
+        table.taken(task.name)
     else:
-        table.observe(sender.name, time.monotonic() - started, taken=True)
+        table.observe(task.name, time.monotonic() - started, taken=True)
 
 
-def _on_released(sender: Any = None, **kwargs: Any) -> None:
-    table = _table_of(sender)
+def _on_released(task: Any, owned: bool) -> None:
+    table = _table_of(task)
     if table is not None:
-        table.ended(sender.name)
+        table.ended(task.name)
+
+
+_COUNTERS = events.Counters(acquired=_on_acquired, released=_on_released)

@@ -11,6 +11,7 @@ itself stays ``SKIPPED`` for Flower and ``AsyncResult.state``.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -29,6 +30,8 @@ __all__ = [
     "already_done",
     "skipped_error",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Task state recorded for a call skipped because a duplicate held the lock.
 #: Not a Celery ready state: :meth:`SingletonResult.get` raises
@@ -98,6 +101,7 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
             state = current.state
             if state == SUPERSEDED:
                 # The call was served by the copy that replaced it: wait for that one.
+                _stop_waiting(current)
                 replacement = self._replacement(current)
                 if isinstance(replacement, DuplicateSkipped):
                     if propagate:
@@ -112,6 +116,7 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
                 # registered again). Wait on it as on any pending result, within
                 # the timeout, rather than spinning between them.
             if state == SKIPPED:
+                _stop_waiting(current)
                 error = skipped_error(current.id, current.info)
                 if propagate:
                     raise error
@@ -150,6 +155,21 @@ class SingletonResult(AsyncResult):  # type: ignore[misc]  # Celery is untyped
                 holder=None,
             )
         return AsyncResult(by, backend=self.backend, app=self.app)
+
+
+def _stop_waiting(result: AsyncResult) -> None:
+    """Stop listening for ``result``, which ends without a ready state.
+
+    Celery stops listening for a result when it turns ready. SKIPPED and
+    SUPERSEDED are not ready states, so a result backend that pushes results
+    (Redis pub/sub) would stay subscribed until the result object is garbage
+    collected, which at interpreter exit can mean reconnecting to unsubscribe
+    while Python shuts down.
+    """
+    try:
+        result.backend.remove_pending_result(result)
+    except Exception as exc:  # a courtesy to the backend; the outcome is already known
+        logger.debug("could not stop waiting for %s: %s", result.id, exc)
 
 
 def already_done(task: Any, task_id: str) -> bool:

@@ -188,12 +188,12 @@ def _newest_call_waits(
 
     That copy carries every call it replaced: skipping or failing it would drop
     them all and break the window's promise that the newest call runs. An
-    app-wide ``redlock_on_conflict`` (meant for the other windows) is therefore
-    not inherited, and a task or queue entry asking for anything but
-    ``"requeue"`` is refused.
+    app-wide ``redlock_on_conflict`` or a locked queue's ``on_conflict`` (meant
+    for the other windows and tasks) is therefore not inherited, and a task
+    attribute asking for anything but ``"requeue"`` is refused.
     """
     source = sources["on_conflict"]
-    if "on_conflict" in unset or source == "redlock_on_conflict":
+    if "on_conflict" in unset or not source.endswith(".lock_on_conflict"):
         return dataclasses.replace(options, on_conflict=OnConflict.REQUEUE)
     if options.on_conflict is not OnConflict.REQUEUE:
         raise ConfigurationError(

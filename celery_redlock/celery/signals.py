@@ -4,6 +4,10 @@ Connect with ``@lock_acquired.connect`` like any Celery signal. The sender is
 the task; every signal carries ``task_id`` and ``key``. Receivers run in the
 process that runs the task (the pool child under prefork); a receiver that
 raises is logged by Celery and does not affect the task.
+
+The worker's own counters are not receivers of these signals: the guard feeds
+them directly (:mod:`celery_redlock.celery.events`) and sends a signal only
+while a receiver is connected.
 """
 
 from __future__ import annotations

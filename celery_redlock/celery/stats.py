@@ -8,12 +8,14 @@ process writes its own row of cells (the main process row 0, pool process
 and the main process sums the rows when asked. Counting is a few in-memory
 additions per task: no Redis command, no message.
 
-The counts come from celery-redlock's own signals (``lock_acquired``,
-``lock_contended``, ``lock_released``, ``lock_lost``) and start at zero when
-the worker starts. Beside the :data:`COUNTERS`, :data:`WAIT_COUNTERS` measure
-fair requeue (see docs/conflicts.md): how many calls were admitted after
-waiting in line, their total and longest wait, and the longest line seen;
-the report adds each task's mean and longest wait in seconds.
+The counts follow celery-redlock's lock events (those of the signals
+``lock_acquired``, ``lock_contended``, ``lock_released``, ``lock_lost``), taken
+from the guard through :func:`~celery_redlock.celery.events.count_with`
+hooks rather than as receivers, and start at zero when the worker starts.
+Beside the :data:`COUNTERS`, :data:`WAIT_COUNTERS` measure fair requeue (see
+docs/conflicts.md): how many calls were admitted after waiting in line, their
+total and longest wait, and the longest line seen; the report adds each
+task's mean and longest wait in seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import signals
+from . import events
 
 __all__ = [
     "COUNTERS",
@@ -197,10 +199,7 @@ def enable(app: Any, processes: int) -> StatsTable:
     """
     _disabled.pop(app, None)
     table = _tables[app] = StatsTable(app.tasks.keys(), processes)
-    signals.lock_acquired.connect(_on_acquired, weak=False, dispatch_uid="celery-redlock-stats")
-    signals.lock_contended.connect(_on_contended, weak=False, dispatch_uid="celery-redlock-stats")
-    signals.lock_released.connect(_on_released, weak=False, dispatch_uid="celery-redlock-stats")
-    signals.lock_lost.connect(_on_lost, weak=False, dispatch_uid="celery-redlock-stats")
+    events.count_with(_COUNTERS)
     return table
 
 
@@ -222,15 +221,15 @@ def _count(task: Any, counter: int) -> None:
         table.add(task.name, counter)
 
 
-def _on_acquired(sender: Any = None, waited: float | None = None, **kwargs: Any) -> None:
-    _count(sender, _ACQUIRED)
+def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
+    _count(task, _ACQUIRED)
     if waited is not None:
-        table = _table_of(sender)
+        table = _table_of(task)
         if table is not None:
             ms = int(waited * 1000)
-            table.add(sender.name, _WAITED)
-            table.add(sender.name, _WAIT_MS, ms)
-            table.raise_to(sender.name, _WAIT_MAX_MS, ms)
+            table.add(task.name, _WAITED)
+            table.add(task.name, _WAIT_MS, ms)
+            table.raise_to(task.name, _WAIT_MAX_MS, ms)
 
 
 def _table_of(task: Any) -> StatsTable | None:
@@ -238,22 +237,23 @@ def _table_of(task: Any) -> StatsTable | None:
     return _tables.get(app) if app is not None else None
 
 
-def _on_contended(
-    sender: Any = None, action: str = "", line: int | None = None, **kwargs: Any
-) -> None:
+def _on_contended(task: Any, action: str, line: int | None) -> None:
     counter = _BY_ACTION.get(action)
     if counter is not None:
-        _count(sender, counter)
+        _count(task, counter)
     if line:
-        table = _table_of(sender)
+        table = _table_of(task)
         if table is not None:
-            table.raise_to(sender.name, _LINE_MAX, line)
+            table.raise_to(task.name, _LINE_MAX, line)
 
 
-def _on_released(sender: Any = None, owned: bool = True, **kwargs: Any) -> None:
+def _on_released(task: Any, owned: bool) -> None:
     if owned:  # a lock found lost at release was not released by this task
-        _count(sender, _RELEASED)
+        _count(task, _RELEASED)
 
 
-def _on_lost(sender: Any = None, **kwargs: Any) -> None:
-    _count(sender, _LOST)
+def _on_lost(task: Any) -> None:
+    _count(task, _LOST)
+
+
+_COUNTERS = events.Counters(_on_acquired, _on_contended, _on_released, _on_lost)

@@ -19,12 +19,14 @@ def attempt_in_line(lock: Any, token: bytes, place: Place, plain: bool) -> bool:
     """Make one attempt of ``lock`` (a ``Lock``) in line; on success store its lease.
 
     Locks that take their key their own way (``plain`` is false: a subclass's
-    ``do_acquire``; ``min_replicas``; no fencing) are not queued: they make
+    ``do_acquire``; ``min_replicas``; no fencing) and locks with a ``bytes``
+    name (the line's keys are named from a ``str``) are not queued: they make
     their usual attempt.
     """
     local = lock.local
     local.place = None
-    if not plain or lock.replication is not None or not lock.fencing:
+    queued = plain and lock.replication is None and lock.fencing
+    if not queued or isinstance(lock.name, bytes):
         return bool(lock.do_acquire(token))
     sent_at = lock._clock()
     keys = (lock.name, lock.fence_key, *queue_keys(lock.name))

@@ -123,10 +123,16 @@ local acquire = function()
 
 _AFTER = """
 end
--- ARGV[4] "1": a resend whose first send may have taken the lock (and left the line).
-if queued == 0 or ARGV[4] == '1' then
+-- ARGV[4] "1": a resend whose first send may have taken the lock (and left the
+-- line): only our own token found there is ours; a free key is taken in turn below.
+if queued == 0 or (ARGV[4] == '1' and redis.call('GET', KEYS[1]) == ARGV[1]) then
   local taken = acquire()
   if type(taken) == 'number' then
+    if queued > 0 then
+      redis.call('ZREM', line_key, member)
+      redis.call('ZREM', lapse_key, member)
+      redis.call('ZREM', present_key, member)
+    end
     return taken
   end
 end

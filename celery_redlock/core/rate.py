@@ -205,6 +205,25 @@ return wanted - now
 """,
 )
 
+# The read-only part of the scripts that show a rate key's use (here and in
+# rate_inventory): given the locals now, limit and window, sets the locals
+# used (starts in the window, KEYS[1]) and wait (ms until a slot frees, 0: one
+# is free), and defines blocked (ms of back-off left, KEYS[2]).
+READ_USE = """
+used = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
+if used >= limit then
+  local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - window), '+inf',
+    'WITHSCORES', 'LIMIT', used - limit, 1)
+  wait = tonumber(oldest[2]) + window - now
+end
+"""
+READ_BLOCKED = """
+local blocked = tonumber(redis.call('GET', KEYS[2]) or '0') - now
+if blocked < 0 then
+  blocked = 0
+end
+"""
+
 # Read a rate key's use without changing it (the operator's view).
 #
 # KEYS[1]  the window's log;  KEYS[2]  the back-off key
@@ -217,19 +236,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[1])
 local window = tonumber(ARGV[2])
-local used = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
-local wait = 0
-if used >= limit then
-  local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - window), '+inf',
-    'WITHSCORES', 'LIMIT', used - limit, 1)
-  wait = tonumber(oldest[2]) + window - now
-end
-local blocked = tonumber(redis.call('GET', KEYS[2]) or '0') - now
-if blocked < 0 then
-  blocked = 0
-end
-return {used, wait, blocked}
-""",
+local used, wait = 0, 0
+"""
+    + READ_USE
+    + READ_BLOCKED
+    + "return {used, wait, blocked}\n",
 )
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from .inventory import glob_escape, scan
 from .keys import KEY_VERSION
 from .lua import Script
-from .rate import rate_keys_of
+from .rate import READ_BLOCKED, READ_USE, rate_keys_of
 
 __all__ = ["RATE_READ", "RateInfo", "find_rates", "parse_rate_key", "rate_pattern", "read_rates"]
 
@@ -49,19 +49,11 @@ if spec then
 end
 local used, wait = 0, 0
 if window > 0 then
-  used = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
-  if used >= limit then
-    local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. (now - window), '+inf',
-      'WITHSCORES', 'LIMIT', used - limit, 1)
-    wait = tonumber(oldest[2]) + window - now
-  end
-end
-local blocked = tonumber(redis.call('GET', KEYS[2]) or '0') - now
-if blocked < 0 then
-  blocked = 0
-end
-return {used, limit, window, wait, blocked, now}
-""",
+"""
+    + READ_USE
+    + "end\n"
+    + READ_BLOCKED
+    + "return {used, limit, window, wait, blocked, now}\n",
 )
 
 

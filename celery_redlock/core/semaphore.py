@@ -30,11 +30,10 @@ from .holder import Holder, Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, LostCallback
 from .lock_options import DEFAULT_FENCE_RETENTION, LockSettings, Number, positive_seconds
 from .permit import WAIT_SLACK, PermitLease, check_limit
-from .queue_scripts import Place, queue_keys
+from .queue_scripts import LEAVE_LINE, Place, queue_keys
 from .semaphore_scripts import (
     ACQUIRE_PERMIT,
     COUNT_PERMITS,
-    LEAVE_WAIT_LIST,
     RELEASE_PERMIT,
     RENEW_PERMITS,
     semaphore_keys,
@@ -223,7 +222,8 @@ class Semaphore(LockSettings):
             if stop_at is not None:
                 left = stop_at - self._clock()
                 if left <= 0:
-                    LEAVE_WAIT_LIST(self.redis, self._acquire_keys[2:], (encoded,))
+                    member = encoded if place is None else place.member
+                    LEAVE_LINE(self.redis, queue_keys(self.name), (member,))
                     return False
                 wait = min(wait, left)
             self._wait(wait)

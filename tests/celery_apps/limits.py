@@ -113,3 +113,17 @@ def register(app: Celery) -> None:
     def mortal(self: Task, group: str, seconds: float, gate: str | None = None) -> Any:
         """As ``requeue``, acked late: a killed run's message goes back to the queue."""
         return _run(self, seconds, gate)
+
+    @app.task(
+        name="limits.few_requeues",
+        **{
+            **_OPTIONS,
+            **_REQUEUE,
+            "lock_requeue_delay": 1.0,
+            "lock_requeue_max_delay": 60.0,
+            "lock_max_requeues": 3,
+        },
+    )
+    def few_requeues(self: Task, group: str, seconds: float, gate: str | None = None) -> Any:
+        """As ``requeue``, but with the default backoff and at most 3 requeues."""
+        return _run(self, seconds, gate)

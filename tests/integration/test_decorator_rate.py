@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -169,3 +171,39 @@ def test_bad_rate_options_fail_at_decoration_naming_the_option(
     with pytest.raises(ConfigurationError) as bad:
         singleton(call, client=r, **options)
     assert bad.value.setting.split(".")[-1] == named
+
+
+def test_wait_takes_the_lock_before_the_rate_slot_so_starts_follow_admissions(
+    r: redis.Redis,
+) -> None:
+    """Under "wait" a call waiting for its lock is admitted only once it holds it.
+
+    Admitted first, a call that then waited for a long-running duplicate would
+    start a window after its admission, and later admissions could put more
+    starts than the rate into one window. Checked by order, on the server's
+    clock: each run's admission comes after the previous run ended.
+    """
+    runs: list[tuple[int, int, int]] = []  # (admitted, started, ended), server ms
+
+    def now_ms() -> int:
+        seconds, micros = r.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    @singleton(client=r, rate="2/1s", on_conflict="wait", wait_timeout=20, key=[])
+    def call(seconds: float) -> None:
+        started = now_ms()
+        time.sleep(seconds)
+        runs.append((started_at(), started, now_ms()))
+
+    first = threading.Thread(target=call, args=(0.9,))
+    first.start()
+    time.sleep(0.05)
+    others = [threading.Thread(target=call, args=(0.05,)) for _ in range(3)]
+    for thread in others:
+        thread.start()
+    for thread in [first, *others]:
+        thread.join(timeout=20)
+    runs.sort(key=lambda run: run[1])
+    assert len(runs) == 4
+    for before, after in zip(runs, runs[1:]):
+        assert after[0] >= before[2], f"admitted while the previous run was running: {runs}"

@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from celery_redlock import Lock, Semaphore
-from celery_redlock.core.queue_scripts import Place, queue_keys
+from celery_redlock.core.lock_options import fence_key_for
+from celery_redlock.core.queue_scripts import FAIR_ACQUIRE, Place, queue_keys
 
 pytestmark = pytest.mark.integration
 
@@ -129,3 +130,83 @@ def test_semaphore_admits_the_first_limit_waiters_in_arrival_order(r: redis.Redi
     holders[1].release()
     assert not waiters[2].acquire(token="w2c", place=place("w2"))
     assert waiters[1].acquire(token="w1c", place=place("w1"))
+
+
+def _resend(
+    r: redis.Redis, name: str, token: str, member: str, arrival: int | None = None
+) -> object:
+    """FAIR_ACQUIRE sent as a resend (ARGV[4] "1") after a reply that never came."""
+    keys = (name, fence_key_for(name), *queue_keys(name))
+    args = FAIR_ACQUIRE.resend((token, 5000, 60000, "0", "0", *place(member, arrival).args()))
+    return FAIR_ACQUIRE(r, keys, args)
+
+
+def test_a_resend_does_not_jump_the_line(r: redis.Redis) -> None:
+    """A resend whose first send never ran (or was refused) takes a free key only in its
+    turn: an older present waiter is still next, and a waiter admitted by a resend leaves
+    the line."""
+    name = "q:{resend}"
+    holder = lock(r, name)
+    assert holder.acquire(token="h", place=place("h"))
+    old = lock(r, name)
+    assert not old.acquire(token="o", place=place("old"))
+    arrival = old.refusal.arrival_us
+    holder.release()
+    assert isinstance(_resend(r, name, "n", "new"), list)
+    assert r.get(name) is None
+    assert isinstance(_resend(r, name, "o2", "old", arrival), int)
+    assert r.get(name) == b"o2"
+    assert r.zscore(queue_keys(name)[0], "old") is None
+    # The first send took it and its reply was lost: the resend finds it ours.
+    assert isinstance(_resend(r, name, "o2", "old", arrival), int)
+
+
+def test_a_bytes_name_makes_its_usual_attempt(r: redis.Redis) -> None:
+    """A lock named by bytes (which redis-py accepts) is not queued, but does not fail."""
+    name = b"q:{bytes}"
+    first = Lock(r, name, timeout=5, blocking=False)
+    assert first.acquire(token="t1", place=place("c1"))
+    second = Lock(r, name, timeout=5, blocking=False)
+    assert not second.acquire(token="t2", place=place("c2"))
+    first.release()
+    assert second.acquire(token="t3", place=place("c2"))
+
+
+def test_a_semaphore_waiter_that_is_not_back_in_time_does_not_hold_a_permit(
+    r: redis.Redis,
+) -> None:
+    """As for a lock: a free permit waits only for the present waiters ahead; an absent
+    one keeps its place for its return."""
+    name = "q:{sabsent}"
+
+    def sem() -> Semaphore:
+        return Semaphore(r, name, limit=1, timeout=5, blocking=False)
+
+    holder = sem()
+    assert holder.acquire(token="h", place=place("h"))
+    asleep = sem()
+    assert not asleep.acquire(token="s", place=place("asleep", near=200))
+    arrival = asleep.refusal.arrival_us
+    holder.release()
+    late = sem()
+    assert not late.acquire(token="l", place=place("late"))
+    assert late.refusal.rank == 1
+    time.sleep(0.3)
+    assert late.acquire(token="l2", place=place("late"))
+    late.release()
+    blocker = sem()
+    assert blocker.acquire(token="b", place=place("b"))
+    assert not asleep.acquire(token="s2", place=place("asleep", arrival))
+    assert asleep.refusal.rank == 0
+
+
+def test_a_blocking_semaphore_acquire_in_line_that_times_out_leaves_the_line(
+    r: redis.Redis,
+) -> None:
+    """The entry of a place is the call's member, not its token: a timeout removes it."""
+    name = "q:{stimeout}"
+    holder = Semaphore(r, name, limit=1, timeout=5, blocking=False)
+    assert holder.acquire(token="h")
+    waiter = Semaphore(r, name, limit=1, timeout=5)
+    assert not waiter.acquire(token="w", place=place("call-1"), blocking_timeout=0.05)
+    assert not any(r.zscore(key, "call-1") for key in queue_keys(name))

@@ -72,3 +72,37 @@ def test_get_on_an_unnamed_replacement_is_a_skip(app: Celery) -> None:
         SingletonResult(a, app=app).get(timeout=5)
     returned = SingletonResult(a, app=app).get(timeout=5, propagate=False)
     assert isinstance(returned, DuplicateSkipped)
+
+
+def _listening(app: Celery, task_id: str) -> bool:
+    """Whether the Redis result backend still listens for ``task_id``'s result."""
+    consumer = app.backend.result_consumer
+    key = app.backend.get_key_for_task(task_id)
+    return task_id in app.backend._pending_results.concrete or key in consumer.subscribed_to
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("outcome", ["SKIPPED", "SUPERSEDED"])
+def test_get_stops_listening_for_a_call_that_ends_without_a_ready_state(
+    app: Celery, outcome: str
+) -> None:
+    """SKIPPED and SUPERSEDED are not ready states: get() unsubscribes itself.
+
+    Celery only stops listening once a result is ready; left subscribed, the
+    result object reconnects to unsubscribe when it is collected, at worst
+    while the interpreter shuts down.
+    """
+    a, b = _id("a"), _id("b")
+    waiting = SingletonResult(a, app=app)
+    with pytest.raises(ResultTimeout):
+        waiting.get(timeout=0.3)  # subscribes while the call is pending
+    assert _listening(app, a)
+    if outcome == "SKIPPED":
+        app.backend.store_result(a, {"holder": b, "key": "k"}, "SKIPPED")
+        with pytest.raises(DuplicateSkipped):
+            waiting.get(timeout=5)
+    else:
+        _supersede(app, a, b)
+        app.backend.store_result(b, 7, "SUCCESS")
+        assert waiting.get(timeout=5) == 7
+    assert not _listening(app, a)

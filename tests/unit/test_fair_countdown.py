@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from celery_redlock.calls.decisions import Decision, fair_countdown
+from celery_redlock.calls.decisions import Decision, decide, fair_countdown, requeues_charged
 from celery_redlock.calls.options import LockOptions
 from celery_redlock.celery.queueing import line_header
 from celery_redlock.core.holder import Holder, Refusal
@@ -50,3 +50,33 @@ def test_line_header_keeps_the_oldest_arrival_and_the_own_runs_place():
     header = line_header(request, mine, Decision("requeue", own=True))
     assert header == [0, own.acquired_ms * 1000, 3, 9]
     assert line_header(request, Refusal("v", 5.0), Decision("requeue")) is None
+
+
+def waited(seconds: float, rank: int | None = 0) -> Refusal:
+    """A refusal in line of a call that joined the line ``seconds`` ago."""
+    now_ms = 1_000_000
+    arrival_us = now_ms * 1000 - round(seconds * 1_000_000)
+    return Refusal("v", 9.0, rank=rank, waiting=1, arrival_us=arrival_us, now_ms=now_ms)
+
+
+def test_a_call_in_line_is_charged_the_requeues_its_wait_would_have_cost():
+    """The next waiter polls four times a second: it is charged by its wait (the plain
+    backoff's requeues in that time, 1+2+4+... s), not by its polls, so `max_requeues`
+    does not run out behind a long holder sooner than without the line."""
+    options = LockOptions(requeue_delay=1.0, requeue_max_delay=8.0, max_requeues=100)
+    # 400 polls (100 s of waiting): 1+2+4 = 7 s, then 8 s each: 3 + (100 - 7) // 8 = 14.
+    assert requeues_charged(options, 400, waited(100.0)) == 14
+    assert requeues_charged(options, 400, waited(0.5)) == 0
+    assert requeues_charged(options, 400, waited(3.0)) == 2
+    assert requeues_charged(options, 400, waited(10_000.0)) == 100
+    # Not in line: the requeues it made.
+    assert requeues_charged(options, 7, waited(100.0, rank=None)) == 7
+    # max_requeues=0 still gives up at the first conflict.
+    none = LockOptions(max_requeues=0)
+    assert decide(
+        waited(0.0),
+        "me",
+        "requeue",
+        requeues=requeues_charged(none, 0, waited(0.0)),
+        max_requeues=0,
+    ).gave_up

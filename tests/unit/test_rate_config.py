@@ -139,3 +139,19 @@ def test_a_waiting_call_sleeps_exactly_the_wait_within_its_timeout():
     assert rate_wait(verdict, waited=0.0, timeout=None) == 0.75
     assert rate_wait(verdict, waited=0.2, timeout=1.0) == 0.75
     assert rate_wait(verdict, waited=0.3, timeout=1.0) is None
+
+
+@pytest.mark.parametrize("decorate", ["singleton", "singleton_job"])
+def test_a_rate_key_without_a_rate_is_refused_by_the_decorator_and_rq(decorate):
+    """Neither has another source of a rate: a rate_key alone is a slip, named at once."""
+    import celery_redlock
+    import celery_redlock.rq
+
+    decorator = getattr(celery_redlock if decorate == "singleton" else celery_redlock.rq, decorate)
+
+    def report(account):
+        return account
+
+    with pytest.raises(ConfigurationError, match="rate_key") as error:
+        decorator(rate_key=["account"])(report)
+    assert error.value.setting == "rate_key"

@@ -72,33 +72,29 @@ def test_pool_processes_counting_at_once_lose_nothing():
     assert table.totals()["a"]["acquired"] == 2 * times
 
 
-def test_lock_signals_land_in_their_counters():
-    """Each lock signal of a task adds to its counter; a release of a lost lock is not counted."""
+def test_lock_events_land_in_their_counters():
+    """Each lock event the guard sends adds to its counter, but not a release of a lost lock."""
     from celery import Celery
 
-    from celery_redlock.celery import signals, stats
+    from celery_redlock.celery import events, stats
 
     app = Celery("stats-signals", set_as_current=False)
 
     @app.task(name="t.one", shared=False)
     def one() -> None:
-        """A task to send signals for."""
+        """A task to send lock events for."""
 
     task = app.tasks["t.one"]
     table = stats.enable(app, processes=1)
-    signals.lock_acquired.send(sender=task, task_id="i", key="k", fence=1, ttl=1.0)
-    signals.lock_acquired.send(sender=task, task_id="j", key="k", fence=3, ttl=1.0, waited=2.5)
-    signals.lock_acquired.send(sender=task, task_id="k", key="k", fence=4, ttl=1.0, waited=0.5)
+    events.send_acquired(task, "i", "k", 1, 1.0, None)
+    events.send_acquired(task, "j", "k", 3, 1.0, 2.5)
+    events.send_acquired(task, "k", "k", 4, 1.0, 0.5)
     for action in ("skip", "skip", "requeue", "raise"):
-        signals.lock_contended.send(
-            sender=task, task_id="i", key="k", holder=None, action=action, attempt=0
-        )
-    signals.lock_contended.send(
-        sender=task, task_id="j", key="k", holder=None, action="requeue", attempt=0, line=7
-    )
-    signals.lock_lost.send(sender=task, task_id="i", key="k", fence=1, reason="expired")
-    signals.lock_released.send(sender=task, task_id="i", key="k", fence=1, owned=False)
-    signals.lock_released.send(sender=task, task_id="i", key="k", fence=2, owned=True)
+        events.send_contended(task, "i", "k", None, action, 0, None)
+    events.send_contended(task, "j", "k", None, "requeue", 0, 7)
+    events.send_lost(task, "i", "k", 1, "expired")
+    events.send_released(task, "i", "k", 1, False)
+    events.send_released(task, "i", "k", 2, True)
     assert table.totals()["t.one"] == {
         "acquired": 3,
         "skipped": 2,

@@ -100,3 +100,11 @@ def test_a_first_call_window_keeps_the_app_wide_conflict_policy():
     """keep='first' is not affected: the app-wide skip still applies to it."""
     options = resolve(task_with(mode="until_executing"), {"redlock_on_conflict": "skip"})
     assert options.on_conflict == "skip"
+
+
+def test_a_locked_queues_conflict_policy_does_not_reach_the_newest_call():
+    """A redlock_queues entry's skip is for the queue's tasks: a debounced task still waits."""
+    options = resolve(
+        task_with(mode="debounce", debounce=1), {}, queue="q", queue_options={"on_conflict": "skip"}
+    )
+    assert options.on_conflict == "requeue"

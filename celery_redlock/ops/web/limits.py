@@ -22,7 +22,7 @@ from celery_redlock.core.inventory import (
     read_locks,
     scan,
 )
-from celery_redlock.core.rate_inventory import RateInfo, find_rates
+from celery_redlock.core.rate_inventory import RateInfo, parse_rate_key, rate_pattern, read_rates
 
 from .listing import Filters
 
@@ -92,6 +92,30 @@ def _rate_row(info: RateInfo) -> dict[str, Any]:
     }
 
 
+#: Rate keys read per batch on the page (one round trip each).
+_RATE_BATCH = 50
+
+
+def _rate_rows(node: Any, prefix: str, filters: Filters, limit: int) -> list[dict[str, Any]]:
+    """The rows of the rate keys under ``prefix`` that pass ``filters``.
+
+    Keys are filtered by name before any is read, and reading stops past
+    ``limit`` rows in use (enough to tell that there are more), however many
+    rate keys the store holds.
+    """
+    bases: dict[str, None] = {}
+    for key in scan(node, rate_pattern(prefix)):
+        parsed = parse_rate_key(key)
+        if parsed is not None and parsed[1] == prefix and filters.keeps(parsed[0], parsed[2]):
+            bases[parsed[0]] = None
+    names, rows = list(bases), []
+    for start in range(0, len(names), _RATE_BATCH):
+        rows += [_rate_row(info) for info in read_rates(node, names[start : start + _RATE_BATCH])]
+        if len(rows) > limit:
+            break
+    return rows
+
+
 def read_limits(
     nodes: Sequence[Any], prefixes: Sequence[str], filters: Filters, limit: int
 ) -> Limits:
@@ -112,10 +136,10 @@ def read_limits(
             seen.update(row["key"] for row in permits)
             if filters.queue:
                 continue
-            for info in find_rates(node, [prefix]):
-                if info.key not in seen and filters.keeps(info.key, info.task):
-                    seen.add(info.key)
-                    found.rates.append(_rate_row(info))
+            rates = _rate_rows(node, prefix, filters, limit)
+            rates = [row for row in rates if row["key"] not in seen]
+            found.rates += rates
+            seen.update(row["key"] for row in rates)
     found.permits.sort(key=lambda row: (row["task"], row["key"], row["slot"]))
     found.rates.sort(key=lambda row: (row["task"], row["key"]))
     found.more = len(found.permits) > limit or len(found.rates) > limit

@@ -179,6 +179,32 @@ def test_sigkill_of_a_permit_holder_frees_its_slot_and_loses_nothing(
 
 
 @pytest.mark.timeout(60)
+def test_a_call_next_in_line_is_charged_its_wait_not_its_polls(
+    storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
+) -> None:
+    """lock_max_requeues=3, requeue_delay=1 s: the plain backoff would requeue a call 1 s,
+    then 2 s later. Next in line, it polls every 0.25 s; after waiting 2.5 s (ten polls) it
+    has been charged 1 requeue, so it runs when the holders finish instead of failing."""
+    worker_factory("prefork", 4)
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    ids = submit(storm_app, "limits.few_requeues", [("g", 0, gate)] * LIMIT)
+    wait_until(lambda: len(started(db9, prefix)) >= LIMIT, 30, message="three holders")
+    key = started(db9, prefix)[0]["key"]
+    (waiter,) = submit(storm_app, "limits.few_requeues", [("g", 0, None)])
+    line = semaphore_keys(key).waiters
+
+    def waited_ms() -> float:
+        arrival = db9.zscore(line, waiter)
+        seconds, micros = db9.time()
+        return 0 if arrival is None else seconds * 1000 + micros / 1000 - arrival / 1000
+
+    wait_until(lambda: waited_ms() >= 2500, 30, message="the waiter to wait 2.5 s in line")
+    db9.set(gate, 1)
+    states = settle(storm_app, [*ids, waiter], timeout=30)
+    assert states[waiter][0] == "SUCCESS", states[waiter]
+
+
+@pytest.mark.timeout(60)
 def test_revoke_with_sigkill_frees_the_killed_holders_permit_from_the_main_process(
     storm_app: Celery, worker_factory: WorkerFactory, db9: redis.Redis, prefix: str
 ) -> None:
