@@ -227,15 +227,7 @@ def _resend_unknown_scripts(
     would cost a round trip per call (per slot, on a Cluster). ``EVAL`` also
     caches the script for the next pass.
     """
-    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if not missing:
-        return
-    pipe = client.pipeline(transaction=False)
-    for i in missing:
-        script, chunk = chunks[i]
-        _queue(client, pipe, script, *script_args(chunk), source=True)
-    for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
-        replies[i] = reply
+    _resend(client, chunks, replies, script_args, NoScriptError)
 
 
 def _resend_failed(
@@ -245,14 +237,25 @@ def _resend_failed(
     script_args: ScriptArgs,
 ) -> None:
     """Send every call that failed again, with its script's source, in one cluster pipeline."""
-    failed = [i for i, reply in enumerate(replies) if isinstance(reply, Exception)]
-    if not failed:
+    _resend(client, chunks, replies, script_args, Exception)
+
+
+def _resend(
+    client: Any,
+    chunks: Sequence[tuple[Script, Sequence[Lease]]],
+    replies: list[Any],
+    script_args: ScriptArgs,
+    failure: type[Exception],
+) -> None:
+    """Send the calls whose reply is a ``failure`` again, with their script's source, at once."""
+    again = [i for i, reply in enumerate(replies) if isinstance(reply, failure)]
+    if not again:
         return
     pipe = client.pipeline(transaction=False)
-    for i in failed:
+    for i in again:
         script, chunk = chunks[i]
         _queue(client, pipe, script, *script_args(chunk), source=True)
-    for i, reply in zip(failed, pipe.execute(raise_on_error=False)):
+    for i, reply in zip(again, pipe.execute(raise_on_error=False)):
         replies[i] = reply
 
 
