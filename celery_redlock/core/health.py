@@ -77,9 +77,8 @@ def run_lock_scripts(client: Any, key: str, *, cluster: bool = False) -> None:
         LockError: When a script answered something a working lock never gets.
     """
     token = secrets.token_hex(16)
-    # The store's own counter: it is shared by every lock, so the probe draws
-    # one fence from it like any task would, and leaves it in place (deleting
-    # it would drop the high-water mark that survives a clock step back).
+    # The probe's key has a prefix of its own (``<prefix>:check:``), so its
+    # fence counter serves only the probe: it goes with the probe's lock.
     fence_key = fence_key_for(key, cluster=cluster or is_cluster(client))
     fence = ACQUIRE(client, (key, fence_key), (token, PROBE_TTL_MS, FENCE_RETENTION_MS, "0"))
     if not isinstance(fence, int) or fence <= 0:
@@ -90,6 +89,7 @@ def run_lock_scripts(client: Any, key: str, *, cluster: bool = False) -> None:
             raise LockError(f"renewal of probe key {key} answered {renewed!r}", key)
     finally:
         released = RELEASE(client, (key,), (token, "0"))
+        client.delete(fence_key)
     if released != 1:
         raise LockError(f"release of probe key {key} answered {released!r}", key)
 

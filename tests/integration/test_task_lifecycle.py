@@ -708,4 +708,4 @@ def test_distinct_completed_tasks_leave_only_the_fence_counter(make_app, redis_s
         results = [distinct.delay(n) for n in range(200)]
         fences = [result.get(timeout=30) for result in results]
     assert len(set(fences)) == 200
-    assert redis_server.client().keys("redlock:*") == [b"redlock:fence"]
+    assert redis_server.client().keys("redlock:*") == [b"redlock:v1:fence"]

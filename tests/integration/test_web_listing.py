@@ -6,7 +6,7 @@ from collections import Counter
 
 import redis
 
-from celery_redlock.core.fences import FENCE_COUNTER
+from celery_redlock.core.fences import fence_key_for
 from celery_redlock.core.holder import Holder
 from celery_redlock.ops.web.detail import read_copies
 from celery_redlock.ops.web.listing import Cursor, Filters, read_page
@@ -32,7 +32,7 @@ def plant(client: redis.Redis, prefix: str = "web") -> dict[str, str]:
             key(prefix, "app.alpha", 1000 + n, True),
             planted[key(prefix, "app.alpha", 1000 + n, True)],
         )
-    pipe.set(FENCE_COUNTER, 230)
+    pipe.set(fence_key_for(key(prefix, "app.beta", 0)), 230)
     pipe.set(f"{prefix}:unrelated", 1)
     pipe.set(f"other:v1:{{app.alpha:{0:064x}}}", 1)
     pipe.execute()

@@ -80,11 +80,23 @@ def test_fence_key_shares_the_lock_keys_cluster_slot(name):
     assert fence_key_for(name.encode(), cluster=True) == fence_key.encode()
 
 
-@pytest.mark.parametrize("name", ["jobs:{}x}", "{}a}b", "a{}{b}", "plain", "{tag}rest"])
-def test_every_name_of_a_store_draws_from_one_counter_or_one_per_slot(name):
-    """Outside Cluster every name shares one counter; on Cluster, one per slot, even for
-    names whose empty first tag makes Redis hash the whole key."""
-    assert fence_key_for(name) == FENCE_COUNTER
+@pytest.mark.parametrize(
+    ("name", "counter"),
+    [
+        ("jobs:{}x}", "jobs:fence"),
+        ("{}a}b", FENCE_COUNTER),
+        ("a{}{b}", "a:fence"),
+        ("plain", FENCE_COUNTER),
+        ("{tag}rest", FENCE_COUNTER),
+        ("app:v1:{t.job:ab12}", "app:v1:fence"),
+        ("app:v1:fence", "app:v1:fence:fence"),
+    ],
+)
+def test_every_name_of_a_prefix_draws_from_one_counter_or_one_per_slot(name, counter):
+    """Outside Cluster the names of one prefix share its counter (inside the prefix, for
+    ACLs); on Cluster, one per slot, even for names whose empty first tag makes Redis
+    hash the whole key. A counter is never the lock's own key."""
+    assert fence_key_for(name) == counter
     assert key_slot(fence_key_for(name, cluster=True).encode()) == key_slot(name.encode())
 
 
