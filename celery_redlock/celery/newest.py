@@ -34,6 +34,7 @@ from celery_redlock.core.newest import (
     Stamp,
     generation_key,
     parse_stamp,
+    script_ms,
     stamp,
     unstamp,
 )
@@ -46,10 +47,6 @@ from .result import SUPERSEDED
 __all__ = ["NewestGuard", "publish_newest"]
 
 logger = logging.getLogger(__name__)
-
-
-def _ms(seconds: float | None) -> int:
-    return 0 if seconds is None else max(1, int(seconds * 1000))
 
 
 def publish_newest(
@@ -185,7 +182,7 @@ class NewestGuard(TaskGuard):
             call.key,
             stamp=parse_stamp(header_of(request, GENERATION_HEADER)),
             task_id=request.id,
-            keep_ms=_ms(self.options.enqueue_ttl + (self.options.debounce or 0)),
+            keep_ms=script_ms(self.options.enqueue_ttl + (self.options.debounce or 0)),
             **self._lock_options(call),
         )
 

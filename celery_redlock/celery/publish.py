@@ -31,6 +31,7 @@ from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import DuplicateTask, LockError
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import Lease
+from celery_redlock.core.newest import script_ms
 from celery_redlock.core.scripts import RELEASE
 from celery_redlock.core.window_scripts import CANCEL_RESERVE, RESERVE
 
@@ -152,8 +153,8 @@ def _reservation_ms(guard: TaskGuard, options: Mapping[str, Any]) -> int:
     delay plus ``enqueue_ttl``.
     """
     if guard.options.period is not None:
-        return max(1, int(guard.options.period * 1000))
-    return max(1, int((publish_delay(options) + guard.options.enqueue_ttl) * 1000))
+        return script_ms(guard.options.period)
+    return script_ms(publish_delay(options) + guard.options.enqueue_ttl)
 
 
 # long because: its docstring lists every outcome; the body is one path with early exits

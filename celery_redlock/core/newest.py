@@ -17,7 +17,15 @@ from typing import Any
 from .lock import Lease, Lock
 from .newest_scripts import CLAIM, STAMP, UNSTAMP
 
-__all__ = ["NewestLock", "Stamp", "generation_key", "parse_stamp", "stamp", "unstamp"]
+__all__ = [
+    "NewestLock",
+    "Stamp",
+    "generation_key",
+    "parse_stamp",
+    "script_ms",
+    "stamp",
+    "unstamp",
+]
 
 
 def generation_key(key: str) -> str:
@@ -50,7 +58,8 @@ class Stamp:
         return f"{self.epoch}:{self.generation}"
 
 
-def _ms(seconds: float | None) -> int:
+def script_ms(seconds: float | None) -> int:
+    """Seconds as a script's milliseconds: ``0`` for none, and never below 1 ms otherwise."""
     return 0 if seconds is None else max(1, int(seconds * 1000))
 
 
@@ -79,7 +88,13 @@ def stamp(
     gen, epoch, delay_ms, replaced = STAMP(
         client,
         (generation_key(key),),
-        (call_id, _ms(debounce), _ms(max_wait), _ms(keep_for), secrets.token_hex(8)),
+        (
+            call_id,
+            script_ms(debounce),
+            script_ms(max_wait),
+            script_ms(keep_for),
+            secrets.token_hex(8),
+        ),
     )
     return Stamp(_text(epoch), int(gen), delay_ms / 1000, _text(replaced))
 

@@ -38,6 +38,7 @@ from celery_redlock.core.newest import (
     Stamp,
     generation_key,
     parse_stamp,
+    script_ms,
     stamp,
     unstamp,
 )
@@ -110,7 +111,7 @@ def enqueue_period(
     args, kwargs = call
     marker = f"{key}:period"
     new_id = uuid.uuid4().hex
-    reply = RESERVE(queue.connection, (marker,), (new_id, max(1, int(period * 1000)), ""))
+    reply = RESERVE(queue.connection, (marker,), (new_id, script_ms(period), ""))
     if reply == 1:
         return queue.enqueue_call(
             func, args=tuple(args), kwargs=dict(kwargs), job_id=new_id, **enqueue_options
@@ -210,7 +211,7 @@ def newest_lock(job: Job | None, client: Any, key: str, **lock_options: Any) -> 
         key,
         stamp=parse_stamp(meta.get("stamp")),
         task_id=job.id,
-        keep_ms=max(1, int(float(meta.get("keep", 600)) * 1000)),
+        keep_ms=script_ms(float(meta.get("keep", 600))),
         **lock_options,
     )
 

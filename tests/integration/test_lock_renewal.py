@@ -11,6 +11,7 @@ import time
 import pytest
 
 from celery_redlock import Lock, Watchdog, default_watchdog
+from tests.hand_driven import ManualClock, NeverStarted
 
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 
@@ -218,21 +219,6 @@ def test_watchdog_restarts_in_a_forked_child(redis_server):
     parent_lock.release()
 
 
-class _FakeClock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class _NeverStarted:
-    def is_alive(self) -> bool:
-        return True
-
-
 @pytest.mark.timeout(120)
 def test_three_thousand_locks_renew_in_one_write_per_period_for_five_ttls(
     redis_server, monkeypatch
@@ -242,9 +228,9 @@ def test_three_thousand_locks_renew_in_one_write_per_period_for_five_ttls(
     import redis.connection
 
     client = redis_server.client()
-    clock = _FakeClock()
+    clock = ManualClock()
     watchdog = Watchdog(clock=clock)
-    watchdog._thread = _NeverStarted()  # passes driven by hand
+    watchdog._thread = NeverStarted()  # passes driven by hand
     locks = [Lock(client, f"held:{i}", timeout=30, clock=clock) for i in range(3000)]
     for lock in locks:
         assert lock.acquire(blocking=False)

@@ -21,6 +21,7 @@ from celery_redlock.core.lock import fence_key_for
 from celery_redlock.core.renewal import Watchdog
 from celery_redlock.core.store import LockStore, parse_store
 from tests.grant_history import Locker, check_grants, lockers
+from tests.hand_driven import ManualClock, NeverStarted
 from tests.redis_topologies import LocalCluster, wait_replicas_online, wait_until
 
 pytestmark = pytest.mark.slow
@@ -256,21 +257,6 @@ def test_distinct_names_leave_one_fence_counter_per_slot(cluster, store):
     assert set(keys_on(cluster, f"{prefix}:*")) == expected  # the counters, and nothing else
 
 
-class _Clock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class _NeverStarted:
-    def is_alive(self) -> bool:
-        return True
-
-
 def test_watchdog_renews_every_slot_in_one_round_trip_per_node(cluster, store, monkeypatch):
     """600 locks over hundreds of slots: a renewal pass sends one script call per slot,
     all in one pipelined write per master, and renews every lock once."""
@@ -279,9 +265,9 @@ def test_watchdog_renews_every_slot_in_one_round_trip_per_node(cluster, store, m
     from celery_redlock import Lock
     from celery_redlock.core.scripts import RENEW
 
-    clock = _Clock()
+    clock = ManualClock()
     watchdog = Watchdog(clock=clock)
-    watchdog._thread = _NeverStarted()  # passes driven by hand
+    watchdog._thread = NeverStarted()  # passes driven by hand
     client = store.client
     prefix = f"c7{uuid.uuid4().hex[:6]}"
     locks = [
