@@ -192,12 +192,14 @@ def test_wait_takes_the_lock_before_the_rate_slot_so_starts_follow_admissions(
     @singleton(client=r, rate="2/1s", on_conflict="wait", wait_timeout=20, key=[])
     def call(seconds: float) -> None:
         started = now_ms()
+        running.set()
         time.sleep(seconds)
         runs.append((started_at(), started, now_ms()))
 
+    running = threading.Event()
     first = threading.Thread(target=call, args=(0.9,))
     first.start()
-    time.sleep(0.05)
+    assert running.wait(10)  # the long call holds the lock before the others come
     others = [threading.Thread(target=call, args=(0.05,)) for _ in range(3)]
     for thread in others:
         thread.start()
