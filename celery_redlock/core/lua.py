@@ -20,6 +20,7 @@ from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.utils import HIREDIS_AVAILABLE
 
 from .reserved import checkout, reserved_for
+from .sockets import exchange, readable
 
 __all__ = ["Arg", "Resend", "Script"]
 
@@ -43,7 +44,7 @@ def _reconnect_if_closed(connection: Any) -> None:
     try:
         # Readable before anything was sent: the server closed the connection
         # (end of file), or it owes a reply nobody read. Either way, start afresh.
-        if connection.can_read():
+        if readable(connection):
             raise RedisConnectionError("connection not ready")
     except (RedisConnectionError, OSError):
         connection.disconnect()
@@ -175,9 +176,8 @@ class Script:
     ) -> Any:
         if then is not None:
             return self._run_then(connection, keys, args, then)
-        connection.send_packed_command([self._pack(connection, keys, args)])
         try:
-            return connection.read_response()
+            return exchange(connection, self._pack(connection, keys, args))
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()

@@ -1,26 +1,42 @@
-"""One packed command written to a master's socket, and its reply read, without redis-py's layers.
+"""One packed command written to a socket, and its reply read, without redis-py's layers.
 
-Internal to :mod:`celery_redlock.core.fanout`, which polls many connections at
-once: redis-py's ``send_packed_command()`` and ``read_response()`` poll the
-socket again and keep per-call bookkeeping that costs more client CPU than the
-system calls themselves. Errors are reported as redis-py reports them.
+For :mod:`celery_redlock.core.fanout`, which polls many connections at once,
+and for :class:`~celery_redlock.core.lua.Script`, whose two calls per task go
+through :func:`exchange`: redis-py's ``send_packed_command()`` and
+``read_response()`` poll the socket again and keep per-call bookkeeping that
+costs more client CPU than the system calls themselves. Errors are reported
+as redis-py reports them, and a connection these helpers cannot serve as
+redis-py would (RESP3, health checks, another parser) goes through redis-py.
 """
 
 from __future__ import annotations
 
 import os
+import select
+import socket
 from typing import Any
 
 import redis
 from redis._parsers import hiredis as redis_hiredis
 
-__all__ = ["INCOMPLETE", "NOT_ENOUGH_DATA", "PREFETCH_SIZE", "prefetch", "ready_reply", "send"]
+__all__ = [
+    "INCOMPLETE",
+    "NOT_ENOUGH_DATA",
+    "PREFETCH_SIZE",
+    "exchange",
+    "prefetch",
+    "readable",
+    "ready_reply",
+    "send",
+]
 
 #: Most bytes moved from a readable socket into its reader at once.
 PREFETCH_SIZE = 65536
 # What a hiredis reader of redis-py returns while a reply is incomplete (False
 # before redis-py 5.1 made it a sentinel of its own).
 NOT_ENOUGH_DATA = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
+# select.poll() is missing on Windows: readable() then asks redis-py.
+_HAS_POLL = hasattr(select, "poll")
 
 #: :func:`ready_reply`'s answer while a reply is still on its way.
 INCOMPLETE = object()
@@ -118,3 +134,92 @@ def ready_reply(conn: Any, reader: Any) -> Any:
             conn.disconnect()
         raise reply
     return reply
+
+
+def _direct_reader(conn: Any) -> Any:
+    """``conn``'s hiredis reader when :func:`exchange` may bypass redis-py, else ``None``.
+
+    Not for a connection with health checks: redis-py pings before a command
+    once their interval has passed.
+    """
+    if conn._sock is None or conn.health_check_interval:
+        return None
+    return getattr(conn._parser, "_reader", None)
+
+
+def exchange(conn: Any, packed: bytes) -> Any:
+    """Send one packed command on ``conn`` and return its reply, as redis-py would.
+
+    Like ``send_packed_command()`` then ``read_response()`` on a connected
+    connection with a hiredis reader, without their bookkeeping: the socket's
+    own timeout bounds each system call, a timeout raises ``TimeoutError`` and
+    any other socket failure ``ConnectionError``, both after closing the
+    connection (the next use reconnects); an error reply is raised (a
+    connection-level one, ``LOADING``, after closing), and a RESP3 push
+    message read before the reply goes to the parser's handlers. Any other
+    connection goes through redis-py.
+
+    Raises:
+        redis.exceptions.RedisError: As redis-py raises it.
+    """
+    reader = _direct_reader(conn)
+    if reader is None:
+        conn.send_packed_command([packed])
+        return conn.read_response()
+    parser = conn._parser
+    sock, buffer = conn._sock, parser._buffer
+    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    try:
+        sock.sendall(packed)
+        while True:
+            reply = reader.gets()
+            while reply is NOT_ENOUGH_DATA:
+                read = sock.recv_into(buffer)
+                if not read:
+                    raise redis.ConnectionError("Connection closed by server.")
+                reader.feed(buffer, 0, read)
+                reply = reader.gets()
+            if push is None or not isinstance(reply, push):
+                break
+            parser.handle_push_response(reply)
+        if isinstance(reply, list) and reply and isinstance(reply[0], redis.ConnectionError):
+            raise reply[0]
+    except socket.timeout as exc:
+        conn.disconnect()
+        raise redis.TimeoutError(f"Timeout talking to {conn._host_error()}") from exc
+    except OSError as exc:
+        conn.disconnect()
+        raise redis.ConnectionError(f"Error talking to {conn._host_error()}: {exc}") from exc
+    except BaseException:
+        # A reply half read, or a protocol error, leaves the stream unusable.
+        conn.disconnect()
+        raise
+    if isinstance(reply, BaseException):
+        if isinstance(reply, redis.ConnectionError):
+            conn.disconnect()
+        raise reply
+    return reply
+
+
+def readable(conn: Any) -> bool:
+    """Whether ``conn`` has something to read before a command is sent: closed, or owing a reply.
+
+    What redis-py's ``can_read()`` answers; a connection that is not open
+    reads as not readable (the next send connects it).
+
+    Raises:
+        OSError: If the socket cannot be polled.
+    """
+    reader = _direct_reader(conn)
+    if reader is None or not _HAS_POLL:
+        return conn._sock is not None and bool(conn.can_read())
+    if reader.has_data():
+        return True
+    sock = conn._sock
+    # TLS may hold decrypted bytes above the socket.
+    pending = getattr(sock, "pending", None)
+    if pending is not None and pending():
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))

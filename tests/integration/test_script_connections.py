@@ -85,3 +85,53 @@ def test_the_reserved_connection_reconnects_after_a_restart(redis_server: RedisS
     assert ECHO(client, [], [b"first"]) == b"first"
     redis_server.restart()  # closes the reserved connection's socket, flushes the script cache
     assert ECHO(client, [], [b"second"]) == b"second"
+
+
+# Returns ARGV[1] after keeping the server busy for ARGV[2] milliseconds.
+SLOW_ECHO = Script(
+    "slow_echo",
+    """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local stop = now_ms() + tonumber(ARGV[2])
+while now_ms() < stop do end
+return ARGV[1]
+""",
+)
+
+
+def test_a_timed_out_reply_is_never_read_as_the_next_calls(redis_server: RedisServer) -> None:
+    """After a socket timeout the connection is dropped, so the late reply goes nowhere."""
+    client = redis_server.client(socket_timeout=0.05)
+    assert ECHO(client, [], [b"warm"]) == b"warm"  # the reserved connection is open
+    try:
+        SLOW_ECHO(client, [], [b"late", 300])
+    except redis.TimeoutError:
+        pass
+    else:
+        raise AssertionError("a 300 ms script answered within a 50 ms socket timeout")
+    for _ in range(1000):  # the server answers again once the slow script is done
+        try:
+            reply = ECHO(client, [], [b"next"])
+        except redis.TimeoutError:
+            continue
+        break
+    assert reply == b"next"
+
+
+def test_scripts_run_over_either_protocol(redis_server: RedisServer) -> None:
+    """Replies of every shape read alike over RESP2 and RESP3 (redis-py 8's default)."""
+    for protocol in (2, 3):
+        client = redis_server.client(protocol=protocol)
+        assert ECHO(client, [], [b"x" * 100_000]) == b"x" * 100_000  # longer than one read
+        listing = Script("list", "return {1, ARGV[1], -2}")
+        assert listing(client, [], ["a"]) == [1, b"a", -2]
+        try:
+            Script("fails", "return redis.error_reply('NOPE broken')")(client, [], [])
+        except redis.ResponseError as exc:
+            assert "broken" in str(exc)
+        else:
+            raise AssertionError("an error reply was not raised")
+        assert ECHO(client, [], [b"after"]) == b"after"  # the connection is still in step
