@@ -25,7 +25,9 @@ __all__ = [
     "back_off_async",
     "current_lock",
     "current_rate",
+    "hold",
     "holding",
+    "let_go",
     "rated",
 ]
 
@@ -62,6 +64,20 @@ class _Holding:
 def holding(lease: Lease) -> _Holding:
     """Make ``lease`` what :func:`current_lock` returns inside the ``with`` block."""
     return _Holding(lease)
+
+
+def hold(lease: Lease) -> contextvars.Token[Lease | None]:
+    """Make ``lease`` what :func:`current_lock` returns until :func:`let_go` (no ``with``).
+
+    For the plain guarded path, which runs once per task: a ``try``/``finally``
+    around these two costs less than entering and leaving a ``with`` block.
+    """
+    return _current.set(lease)
+
+
+def let_go(token: contextvars.Token[Lease | None]) -> None:
+    """Undo the :func:`hold` that returned ``token``."""
+    _current.reset(token)
 
 
 @dataclass(frozen=True)

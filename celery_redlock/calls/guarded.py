@@ -25,7 +25,7 @@ from celery_redlock.core.lock import Lease
 from celery_redlock.core.queue_scripts import Place
 from celery_redlock.core.rate import RateVerdict
 
-from .context import RateSlot, holding, rated
+from .context import RateSlot, hold, holding, let_go, rated
 
 __all__ = ["UNPROTECTED", "Call", "Guard", "release_failed", "run_guarded", "run_unprotected"]
 
@@ -170,9 +170,12 @@ def run_guarded(guard: Guard[Any], call: Call, body: Callable[[], T]) -> T:
     lease = lock.lease
     guard.acquired(call, lease)
     try:
-        with holding(lease):
+        held = hold(lease)
+        try:
             guard.starting(call, lease)
             return body()
+        finally:
+            let_go(held)
     finally:
         guard.release(call, lock, lease)
 

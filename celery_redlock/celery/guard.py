@@ -40,6 +40,7 @@ from celery_redlock.calls.options import LockOptions
 from celery_redlock.core.admission import AdmissionLock
 from celery_redlock.core.error_text import describe_error
 from celery_redlock.core.exceptions import LockError, LockNotAcquired
+from celery_redlock.core.fences import is_cluster
 from celery_redlock.core.holder import Holder, Refusal, queue_of
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.line import leave_line
@@ -107,12 +108,24 @@ class TaskGuard(Guard[Any]):
         self.keys = KeyBuilder(task.name, task.run, options.key, options.key_prefix)
         self.rate_keys = rate_keys(task.name, task.run, options)
         self._limiter: RateLimiter | None = None
-        # The first plain Lock built, whose options later calls' locks copy.
+        # The first plain Lock built, whose options later calls' locks copy,
+        # and the fence counter every key of this task draws from (None on
+        # Cluster, where it depends on the key's slot).
         self._template: Lock | None = None
+        self._fence_key: str | None = None
         self._in_line = in_line(options)
 
-    def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
+    def run(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        body: Callable[[], T],
+        request: Any = None,
+    ) -> T:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
+
+        ``request``: the task's running request, when the caller has read it
+        already (``task.request`` is a slow property); ``None`` reads it.
 
         Raises:
             celery.exceptions.Ignore: When the call is skipped or requeued.
@@ -120,7 +133,7 @@ class TaskGuard(Guard[Any]):
             LockKeyError: When the arguments cannot make a key.
         """
         try:
-            return run_guarded(self, self._call(args, kwargs), body)
+            return run_guarded(self, self._call(args, kwargs, request), body)
         except Ignore as ignored:
             # Celery copies every frame of an Ignore's traceback (with each code
             # object's position table) into an ExceptionInfo, twice: starting
@@ -128,18 +141,22 @@ class TaskGuard(Guard[Any]):
             # about a tenth of what a skipped or requeued duplicate costs.
             raise ignored.with_traceback(None) from None
 
-    def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Call:
+    def _call(self, args: Sequence[Any], kwargs: Mapping[str, Any], request: Any = None) -> Call:
         """Describe the running request's call: its key, and the holder its lock will name."""
         started = time.monotonic()
-        task, request = self.task, self.task.request
+        task = self.task
+        if request is None:
+            request = task.request
+        task_id = request.id
         value = Holder.new_value(
-            request.id,
+            task_id,
             request.hostname,
             ttl=self.options.ttl,
             queue=self.queue or queue_of(request.delivery_info),
         )
-        label = f"task {task.name}[{request.id}]"
-        call = TaskCall(self.keys.key_for(args, kwargs), value, label, request.id)
+        call = TaskCall(
+            self.keys.key_for(args, kwargs), value, f"task {task.name}[{task_id}]", task_id
+        )
         call.started = started
         call.met_itself = self._met_itself(request)
         if self._in_line:
@@ -178,27 +195,34 @@ class TaskGuard(Guard[Any]):
             redis.exceptions.RedisError: When the store's client cannot be built
                 (a Redis Cluster connects to learn its slots).
         """
-        options = self._lock_options(call)
-        if self._template is not None:
-            return self._template.renamed(call.key, on_lost=options["on_lost"], label=call.label)
-        lock = self.store.lock(call.key, limit=self.options.limit, **options)
+        template = self._template
+        if template is not None:
+            return template.renamed(
+                call.key, on_lost=self._on_lost(call), label=call.label, fence_key=self._fence_key
+            )
+        lock = self.store.lock(call.key, limit=self.options.limit, **self._lock_options(call))
         if type(lock) is Lock:  # the same options for every call: later calls copy them
             self._template = lock
+            # Every key of a task has one prefix, so one counter (see fence_key_for).
+            self._fence_key = None if is_cluster(lock.redis) else lock.fence_key
         return lock
 
     def _lock_options(self, call: Call) -> dict[str, Any]:
         """The options of every run's lock, whichever class takes it."""
-        task_id = call.call_id
         return {
             "timeout": self.options.ttl,
             "blocking": False,
             "thread_local": False,
             "auto_renew": True,
-            # Only the id: the lease outlives the run in the watchdog's heap,
-            # and the request would keep the call's arguments alive with it.
-            "on_lost": lambda lease: self._report_lost(lease, task_id),
+            "on_lost": self._on_lost(call),
             "label": call.label,
         }
+
+    def _on_lost(self, call: Call) -> Callable[[Lease], None]:
+        # Only the id: the lease outlives the run in the watchdog's heap, and
+        # the request would keep the call's arguments alive with it.
+        task_id = call.call_id
+        return lambda lease: self._report_lost(lease, task_id)
 
     def acquired(self, call: Call, lease: Lease) -> None:
         """Log and count the acquisition; send ``lock_acquired`` to its receivers."""

@@ -7,10 +7,10 @@ the guard must not lock that call again. :func:`guarding` marks the run,
 
 from __future__ import annotations
 
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any
 
-__all__ = ["called_inside", "guarding"]
+__all__ = ["called_inside", "enter", "guarding", "leave"]
 
 # The id of the task whose call runs under a guard in this thread (or greenlet).
 _guarded_task_id: ContextVar[str | None] = ContextVar("celery_redlock_guarded_task", default=None)
@@ -34,6 +34,16 @@ class _Guarding:
 def guarding(request: Any) -> _Guarding:
     """Mark the task of ``request`` as running under its lock in this context."""
     return _Guarding(request.id)
+
+
+def enter(request: Any) -> Token[str | None]:
+    """:func:`guarding` without the ``with`` block: mark the run until :func:`leave`."""
+    return _guarded_task_id.set(request.id)
+
+
+def leave(token: Token[str | None]) -> None:
+    """End the mark that :func:`enter` returned ``token`` for."""
+    _guarded_task_id.reset(token)
 
 
 def called_inside(request: Any) -> bool:

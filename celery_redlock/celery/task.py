@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from functools import partial
 from typing import Any, ClassVar
 
 from celery import Task
@@ -13,7 +13,7 @@ from celery_redlock.core.keys import KeyBuilder, KeySpec
 
 from . import publish
 from .guards import guard_for
-from .inside import called_inside, guarding
+from .inside import called_inside, enter, leave
 from .install import connect_worker
 from .newest import NewestGuard, publish_newest
 from .queues import locked_queue
@@ -138,13 +138,17 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
         request = self.request
         if request.called_directly or called_inside(request):
             return super().__call__(*args, **kwargs)
-        body: Callable[[], Any] = lambda: super(SingletonTask, self).__call__(*args, **kwargs)  # noqa: E731
+        # Bound now: cheaper than a closure that looks the method up when called.
+        body = partial(super().__call__, *args, **kwargs)
         # From a locked queue, that queue's options apply (below the task's own).
         found = locked_queue(self)
         guard = guard_for(self) if found is None else guard_for(self, *found)
         try:
-            with guarding(request):
-                return guard.run(args, kwargs, body)
+            marked = enter(request)  # guarding(request), without a with block
+            try:
+                return guard.run(args, kwargs, body, request)
+            finally:
+                leave(marked)
         except Ignore as ignored:
             # Celery copies every frame of an Ignore's traceback, with its code
             # positions, and formats them (twice): starting it here leaves

@@ -166,7 +166,13 @@ class EnqueueGuard(TaskGuard):
         """The lock store's client: enqueue modes run on one server (``conf.check_mode_store``)."""
         return self.store.client
 
-    def run(self, args: Sequence[Any], kwargs: Mapping[str, Any], body: Callable[[], T]) -> T:
+    def run(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        body: Callable[[], T],
+        request: Any = None,
+    ) -> T:
         """Run ``body`` in this mode's window, or resolve the conflict (see :class:`TaskGuard`).
 
         ``until_expired`` costs the worker nothing: only the period ends its window.
@@ -174,7 +180,7 @@ class EnqueueGuard(TaskGuard):
         if self.options.mode == UNTIL_EXPIRED:
             return body()
         if self.options.mode != UNTIL_EXECUTING:
-            return super().run(args, kwargs, body)
+            return super().run(args, kwargs, body, request)
         return self._dequeued(self._call(args, kwargs), body)
 
     def _dequeued(self, call: Call, body: Callable[[], T]) -> T:

@@ -115,10 +115,11 @@ class Lease:
         self._clock = clock
         self._drift_factor = drift_factor
         self._owner = weakref.ref(owner) if owner is not None else None
-        self.deadline: float | None = None
         self._renew_resp: tuple[int, bytes, bytes, int] | None = None
-        if ttl is not None:
-            self.validate_until(sent_at, ttl)
+        # deadline_for, inline: one lease is built per task.
+        self.deadline: float | None = (
+            None if ttl is None else sent_at + ttl - (ttl * drift_factor + DRIFT_FLOOR)
+        )
 
     def validate_until(self, sent_at: float, ttl: float) -> None:
         """Record that the server granted ``ttl`` seconds to a request sent at ``sent_at``.

@@ -193,32 +193,32 @@ class Lock(LockSettings):
                 acknowledged the lock (it was given back) or the server
                 refused it as a replica; a ``RedisError`` too.
         """
-        if sleep is None:
-            sleep = self.sleep
         if blocking is None:
             blocking = self.blocking
-        if blocking_timeout is None:
-            blocking_timeout = self.blocking_timeout
         encoded = secrets.token_hex(16).encode() if token is None else self._encode_token(token)
-        self.local.place = None
+        local = self.local
+        local.place = None
         stop_trying_at = None
-        if blocking_timeout is not None:
-            stop_trying_at = self._clock() + blocking_timeout
+        if blocking:  # a single attempt (every task's) needs neither the clock nor the sleep
+            if blocking_timeout is None:
+                blocking_timeout = self.blocking_timeout
+            if blocking_timeout is not None:
+                stop_trying_at = self._clock() + blocking_timeout
         while True:
             if place is None:
                 acquired = self.do_acquire(encoded)
             else:
                 acquired = attempt_in_line(self, encoded, place, type(self).do_acquire is _PLAIN)
             if acquired:
-                lease = self.local.lease
+                lease = local.lease
                 # The value stored may be the token with an attempt number (Redlock).
-                self.local.token = encoded if lease is None else lease.token
+                local.token = encoded if lease is None else lease.token
                 if self.auto_renew and lease is not None:
                     self.watchdog.watch(lease)
                 return True
             if not blocking:
                 return False
-            delay = self._retry_delay(sleep)
+            delay = self._retry_delay(self.sleep if sleep is None else sleep)
             next_try_at = self._clock() + delay
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False

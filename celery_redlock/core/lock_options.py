@@ -111,6 +111,9 @@ class LockSettings:
     """
 
     timeout: float | None
+    #: (encoding, errors) of the client, read on the first str token encoded;
+    #: copies made by renamed() share it.
+    _token_encoding: tuple[str, str] | None = None
 
     def _configure(
         self,
@@ -166,17 +169,26 @@ class LockSettings:
         )
 
     def renamed(
-        self: _SettingsT, name: str, *, on_lost: LostCallback | None, label: str | None
+        self: _SettingsT,
+        name: str,
+        *,
+        on_lost: LostCallback | None,
+        label: str | None,
+        fence_key: str | None = None,
     ) -> _SettingsT:
         """Return a lock on key ``name`` with these options, checked once when this one was built.
 
         The task path builds one lock per call with the same options: copying
         them skips the checks, which cost more than the acquisition's Python.
+        ``fence_key``: the fence counter of ``name`` (:func:`fence_key_for`),
+        when the caller already knows it.
         """
         lock = object.__new__(type(self))
         lock.__dict__.update(self.__dict__)
         lock.name = name
-        lock.fence_key = fence_key_for(name, cluster=is_cluster(self.redis))
+        if fence_key is None:
+            fence_key = fence_key_for(name, cluster=is_cluster(self.redis))
+        lock.fence_key = fence_key
         lock.on_lost = on_lost
         lock.label = label
         lock._fresh_state()
@@ -187,5 +199,13 @@ class LockSettings:
 
     def _encode_token(self, token: str | bytes) -> bytes:
         """Encode a caller's token the way the client would send it."""
+        if type(token) is str:
+            # What the client's Encoder does with a str, without building
+            # one per call (a pooled client makes a new Encoder each time).
+            encoding = self._token_encoding
+            if encoding is None:
+                encoder = self.redis.get_encoder()
+                encoding = self._token_encoding = (encoder.encoding, encoder.encoding_errors)
+            return token.encode(*encoding)
         encoded: bytes = self.redis.get_encoder().encode(token)
         return encoded

@@ -32,12 +32,14 @@ class ThreadState(threading.local):
 class SharedState:
     """The token, lease, refusal and failure every thread shares (``thread_local=False``)."""
 
-    def __init__(self) -> None:
-        self.token: bytes | None = None
-        self.lease: Lease | None = None
-        self.holder: tuple[str | None, float | None] | None = None
-        self.place: tuple[int, int, int, int] | None = None
-        self.failure: LockError | None = None
+    # Class attributes are the defaults, as for ThreadState: a lock per task
+    # call makes one of these, and an __init__ setting five fields cost more
+    # than the rest of its construction.
+    token: bytes | None = None
+    lease: Lease | None = None
+    holder: tuple[str | None, float | None] | None = None
+    place: tuple[int, int, int, int] | None = None
+    failure: LockError | None = None
 
 
 #: Either kind of state.

@@ -93,6 +93,9 @@ class Watchdog:
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        # Set by the thread as it ends: cheaper to read on every watch() than
+        # Thread.is_alive(), which takes the thread's state lock.
+        self._thread_ended = False
         # Keyed by the application's pool, then by the replication its leases
         # need (it lengthens the timeout); only the watchdog thread touches it.
         self._clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -103,7 +106,8 @@ class Watchdog:
             raise ValueError(f"lock {lease.name} has no TTL to renew")
         with self._cond:
             self._push(lease, self._clock() + lease.ttl / 3)
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None or self._thread_ended:
+                self._thread_ended = False
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-watchdog", daemon=True
                 )
@@ -123,15 +127,18 @@ class Watchdog:
         heapq.heappush(self._heap, (due, next(self._seq), lease))
 
     def _run(self) -> None:
-        while True:
-            try:
-                self.renew_due()
-            except Exception:  # pragma: no cover - the loop must outlive any bug
-                logger.exception("renewal pass failed; the watchdog carries on")
-            with self._cond:
-                wait = self._heap[0][0] - self._clock() if self._heap else None
-                if wait is None or wait > 0:
-                    self._cond.wait(wait)
+        try:
+            while True:
+                try:
+                    self.renew_due()
+                except Exception:  # pragma: no cover - the loop must outlive any bug
+                    logger.exception("renewal pass failed; the watchdog carries on")
+                with self._cond:
+                    wait = self._heap[0][0] - self._clock() if self._heap else None
+                    if wait is None or wait > 0:
+                        self._cond.wait(wait)
+        finally:  # pragma: no cover - only something like a fatal signal ends it
+            self._thread_ended = True
 
     def renew_due(self) -> None:
         """Run one renewal pass over the leases that are due now.

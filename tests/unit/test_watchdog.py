@@ -200,3 +200,32 @@ def test_a_large_batch_is_chunked(clock):
     clock.now += 1.0
     dog.renew_due()
     assert [len(keys) for keys in client.calls] == [10, 10, 5]
+
+
+# The first thread dies of its exception, on purpose.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_watchdog_whose_thread_ended_starts_another(client, clock) -> None:
+    """A renewal thread that died is replaced by the next watch(), not left dead."""
+    dog = Watchdog(clock=clock)
+    passes: list[str] = []
+
+    def fatal_pass() -> None:
+        passes.append("fatal")
+        raise SystemExit  # not an Exception: the loop does not survive it
+
+    dog.renew_due = fatal_pass  # type: ignore[method-assign]
+    dog.watch(lease(client, clock, "first"))
+    first = dog._thread
+    assert first is not None
+    first.join(timeout=10)
+    assert not first.is_alive() and passes == ["fatal"]
+
+    dog.renew_due = lambda: passes.append("second")  # type: ignore[method-assign]
+    dog.watch(lease(client, clock, "second"))
+    second = dog._thread
+    assert second is not None and second is not first
+    for _ in range(1000):  # the new thread makes its first pass at once
+        if "second" in passes:
+            break
+        second.join(timeout=0.01)
+    assert passes[:2] == ["fatal", "second"]
