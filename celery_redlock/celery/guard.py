@@ -234,7 +234,7 @@ class TaskGuard(Guard[Any]):
             call.key,
             lease.fence,
             self.options.ttl,
-            waited(call.place),
+            None if call.place is None else waited(call.place),
             getattr(call, "started", None),
         )
 

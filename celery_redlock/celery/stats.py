@@ -106,6 +106,8 @@ class StatsTable:
         # Found on first use: right after a fork billiard has not yet told the
         # child which pool process it is.
         self._base: int | None = None
+        # Task name -> its first cell in this process's slot, once known.
+        self._starts: dict[str, int] = {}
 
     def _own_base(self) -> int:
         index = _process_index()
@@ -115,15 +117,23 @@ class StatsTable:
 
     def _row_start(self, task: str) -> int:
         """The index of ``task``'s first cell in this process's slot."""
+        start = self._starts.get(task)
+        if start is not None:
+            return start
         row = self._rows.get(task)
         if row is None:
             row = self._rows[OTHER_TASKS]
         base = self._base if self._base is not None else self._own_base()
-        return base + row * len(self.counters)
+        start = base + row * len(self.counters)
+        if row != self._rows[OTHER_TASKS]:  # only names with a row: the cache stays bounded
+            self._starts[task] = start
+        return start
 
     def add(self, task: str, counter: int, amount: int = 1) -> None:
         """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
-        cell = self._row_start(task) + counter
+        # Every task adds twice or more: its start, when known, without a call.
+        start = self._starts.get(task)
+        cell = (self._row_start(task) if start is None else start) + counter
         with self._lock:
             self._cells[cell] += amount
 

@@ -48,6 +48,10 @@ def _json_key(key: object) -> str:
     raise TypeError(f"a dict key of type {type(key).__name__} has no JSON form")
 
 
+# Types whose canonical form is the value itself (exactly these: see _canonical).
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def _canonical(value: Any) -> Any:
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
@@ -197,6 +201,9 @@ class KeyBuilder:
             arguments = {name: self._argument(arguments, name) for name in spec}
         parts = {}
         for name, value in arguments.items():
+            if type(value) in _AS_IS:  # the common case, without a call
+                parts[name] = value
+                continue
             try:
                 parts[name] = _canonical(value)
             except TypeError as exc:

@@ -127,11 +127,12 @@ class Script:
         # without redis-py's per-command bookkeeping (about a third of the
         # client's CPU per command).
         reserved = reserved_for(pool)
-        if reserved is not None and reserved.busy.acquire(blocking=False):
+        if reserved is not None and reserved.busy.acquire(False):  # not blocking
             try:
-                if reserved.connection is None:
-                    reserved.connection = checkout(pool)
-                return self._exchange(reserved.connection, keys, args, then)
+                connection = reserved.connection
+                if connection is None:
+                    connection = reserved.connection = checkout(pool)
+                return self._exchange(connection, keys, args, then)
             finally:
                 reserved.busy.release()
         connection = checkout(pool)

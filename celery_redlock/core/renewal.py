@@ -89,7 +89,10 @@ class Watchdog:
         os.register_at_fork(after_in_child=lambda: _reset_if_alive(ref))
 
     def _reset(self) -> None:
-        self._cond = threading.Condition()
+        # The condition's own lock, taken directly where every task passes
+        # (watch): a C-level with block instead of Condition's Python one.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
@@ -104,7 +107,7 @@ class Watchdog:
         """Renew ``lease`` until it is released or lost."""
         if lease.ttl is None:
             raise ValueError(f"lock {lease.name} has no TTL to renew")
-        with self._cond:
+        with self._lock:
             self._push(lease, self._clock() + lease.ttl / 3)
             if self._thread is None or self._thread_ended:
                 self._thread_ended = False

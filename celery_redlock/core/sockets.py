@@ -136,17 +136,6 @@ def ready_reply(conn: Any, reader: Any) -> Any:
     return reply
 
 
-def _direct_reader(conn: Any) -> Any:
-    """``conn``'s hiredis reader when :func:`exchange` may bypass redis-py, else ``None``.
-
-    Not for a connection with health checks: redis-py pings before a command
-    once their interval has passed.
-    """
-    if conn._sock is None or conn.health_check_interval:
-        return None
-    return getattr(conn._parser, "_reader", None)
-
-
 def exchange(conn: Any, packed: bytes) -> Any:
     """Send one packed command on ``conn`` and return its reply, as redis-py would.
 
@@ -162,13 +151,14 @@ def exchange(conn: Any, packed: bytes) -> Any:
     Raises:
         redis.exceptions.RedisError: As redis-py raises it.
     """
-    reader = _direct_reader(conn)
-    if reader is None:
+    # Not for a connection with health checks: redis-py pings before a
+    # command once their interval has passed.
+    parser, sock = conn._parser, conn._sock
+    reader = getattr(parser, "_reader", None)
+    if reader is None or sock is None or conn.health_check_interval:
         conn.send_packed_command([packed])
         return conn.read_response()
-    parser = conn._parser
-    sock, buffer = conn._sock, parser._buffer
-    push = getattr(parser, "_hiredis_PushNotificationType", None)
+    buffer = parser._buffer
     try:
         sock.sendall(packed)
         while True:
@@ -179,6 +169,9 @@ def exchange(conn: Any, packed: bytes) -> Any:
                     raise redis.ConnectionError("Connection closed by server.")
                 reader.feed(buffer, 0, read)
                 reply = reader.gets()
+            if type(reply) is int:  # what a task's two scripts answer: nothing to check
+                return reply
+            push = getattr(parser, "_hiredis_PushNotificationType", None)
             if push is None or not isinstance(reply, push):
                 break
             parser.handle_push_response(reply)
@@ -210,15 +203,17 @@ def readable(conn: Any) -> bool:
     Raises:
         OSError: If the socket cannot be polled.
     """
-    reader = _direct_reader(conn)
-    if reader is None or not _HAS_POLL:
-        return conn._sock is not None and bool(conn.can_read())
-    if reader.has_data():
-        return True
     sock = conn._sock
-    # TLS may hold decrypted bytes above the socket.
-    pending = getattr(sock, "pending", None)
-    if pending is not None and pending():
+    reader = getattr(conn._parser, "_reader", None)
+    # A TLS socket may hold decrypted bytes above the socket: redis-py knows.
+    if (
+        reader is None
+        or type(sock) is not socket.socket
+        or conn.health_check_interval
+        or not _HAS_POLL
+    ):
+        return sock is not None and bool(conn.can_read())
+    if reader.has_data():
         return True
     poller = select.poll()
     poller.register(sock, select.POLLIN)
