@@ -84,8 +84,15 @@ class WaitTable(StatsTable):
         # bisect_left: the first bound >= seconds (len(WAIT_BUCKETS), +Inf, past them all).
         bucket = bisect.bisect_left(WAIT_BUCKETS, seconds)
         wait_us = max(0, round(seconds * 1_000_000))
-        counts = ((bucket, 1), (_COUNT, 1), (_SUM_US, wait_us))
-        self.add_many(task, (*counts, (_TAKEN, 1)) if taken else counts)
+        start = self._row_start(task)
+        cells = self._cells
+        # add_many's work, written out: once per task, under one lock.
+        with self._lock:
+            cells[start + bucket] += 1
+            cells[start + _COUNT] += 1
+            cells[start + _SUM_US] += wait_us
+            if taken:
+                cells[start + _TAKEN] += 1
 
     def taken(self, task: str) -> None:
         """Record the start of one hold."""

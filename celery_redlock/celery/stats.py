@@ -133,17 +133,10 @@ class StatsTable:
         """Add ``amount`` to ``counter`` (an index into :attr:`counters`) of ``task``."""
         # Every task adds twice or more: its start, when known, without a call.
         start = self._starts.get(task)
-        cell = (self._row_start(task) if start is None else start) + counter
+        if start is None:
+            start = self._row_start(task)
         with self._lock:
-            self._cells[cell] += amount
-
-    def add_many(self, task: str, amounts: Iterable[tuple[int, int]]) -> None:
-        """Add each ``(counter, amount)`` of ``amounts`` to ``task``'s row, under one lock."""
-        start = self._row_start(task)
-        cells = self._cells
-        with self._lock:
-            for counter, amount in amounts:
-                cells[start + counter] += amount
+            self._cells[start + counter] += amount
 
     def raise_to(self, task: str, counter: int, value: int) -> None:
         """Raise ``counter`` of ``task`` to ``value`` if it is below (a maximum, not a count)."""
@@ -224,9 +217,13 @@ def disabled_because(app: Any) -> str | None:
     return _disabled.get(app)
 
 
-def _count(task: Any, counter: int) -> None:
+def _table_of(task: Any) -> StatsTable | None:
     app = getattr(task, "app", None)
-    table = _tables.get(app) if app is not None else None
+    return _tables.get(app) if app is not None else None
+
+
+def _count(task: Any, counter: int) -> None:
+    table = _table_of(task)
     if table is not None:
         table.add(task.name, counter)
 
@@ -240,11 +237,6 @@ def _on_acquired(task: Any, started: float | None, waited: float | None) -> None
             table.add(task.name, _WAITED)
             table.add(task.name, _WAIT_MS, ms)
             table.raise_to(task.name, _WAIT_MAX_MS, ms)
-
-
-def _table_of(task: Any) -> StatsTable | None:
-    app = getattr(task, "app", None)
-    return _tables.get(app) if app is not None else None
 
 
 def _on_contended(task: Any, action: str, line: int | None) -> None:

@@ -302,14 +302,13 @@ class Lock(LockSettings):
             LockNotOwned: If the lock expired or was taken over meanwhile; the
                 current holder's key is left untouched.
         """
-        token = self.local.token
+        local = self.local
+        token = local.token
         if token is None:
-            raise LockError(
-                "Cannot release a lock that's not owned or is already unlocked.",
-                lock_name=self.name,
-            )
-        self.local.token = None
-        lease = self.local.lease
+            message = "Cannot release a lock that's not owned or is already unlocked."
+            raise LockError(message, lock_name=self.name)
+        local.token = None
+        lease = local.lease
         if lease is not None:
             # Flag first: a watchdog renewal racing with the delete must not
             # report the lock lost. Drop the callback: the watchdog may hold

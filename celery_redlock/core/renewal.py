@@ -108,7 +108,7 @@ class Watchdog:
         if lease.ttl is None:
             raise ValueError(f"lock {lease.name} has no TTL to renew")
         with self._lock:
-            self._push(lease, self._clock() + lease.ttl / 3)
+            heapq.heappush(self._heap, (self._clock() + lease.ttl / 3, next(self._seq), lease))
             if self._thread is None or self._thread_ended:
                 self._thread_ended = False
                 self._thread = threading.Thread(
