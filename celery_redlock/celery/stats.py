@@ -229,14 +229,15 @@ def _count(task: Any, counter: int) -> None:
 
 
 def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
-    _count(task, _ACQUIRED)
+    table = _table_of(task)  # every task passes here: one lookup
+    if table is None:
+        return
+    table.add(task.name, _ACQUIRED)
     if waited is not None:
-        table = _table_of(task)
-        if table is not None:
-            ms = int(waited * 1000)
-            table.add(task.name, _WAITED)
-            table.add(task.name, _WAIT_MS, ms)
-            table.raise_to(task.name, _WAIT_MAX_MS, ms)
+        ms = int(waited * 1000)
+        table.add(task.name, _WAITED)
+        table.add(task.name, _WAIT_MS, ms)
+        table.raise_to(task.name, _WAIT_MAX_MS, ms)
 
 
 def _on_contended(task: Any, action: str, line: int | None) -> None:

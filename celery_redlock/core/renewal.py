@@ -221,6 +221,8 @@ class Watchdog:
             # step): one scan and a rebuild cost less than a pop per lease.
             kept = []
             for entry in heap:
+                if entry[2].released:
+                    continue  # most leases of a busy worker: dropped here, not renewed
                 if entry[0] > now + entry[2].ttl / 6:  # type: ignore[operator]
                     kept.append(entry)
                 else:
