@@ -16,12 +16,14 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Union
 
 import redis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from .nodes import Connected, Node
+from .lanes import Lane
+from .late_jobs import use_late_job
+from .nodes import MAX_OWED, Connected, Node
 from .sockets import INCOMPLETE, NOT_ENOUGH_DATA, PREFETCH_SIZE, prefetch, ready_reply, send
 from .wire import Encoding, Request
 
@@ -29,9 +31,6 @@ __all__ = ["NOT_ASKED", "PENDING", "Round", "Settle"]
 
 #: How often a caller waiting on both sockets and background jobs checks the jobs.
 JOB_POLL = 0.001
-#: Most times the follow-up of a request run through a client is tried while it
-#: fails (a hung master times each try out: a few node timeouts in all).
-FOLLOW_UP_TRIES = 5
 
 #: Outcome of a master asked but not heard from (yet).
 PENDING = object()
@@ -39,19 +38,27 @@ PENDING = object()
 NOT_ASKED = object()
 #: ``settle(master index, reply or error)``: ``True`` once the round is decided.
 Settle = Callable[[int, Any], bool]
+#: A connection a round waits on: master index, connection, replies owed on it
+#: before ours, whether it was reused (a failure may be a stale connection), and
+#: the lane it belongs to (``None``: a shared pool's).
+Reading = tuple[int, Any, int, bool, Union[Lane, None]]
 
 
 class Round:
     """One request sent to every master at once; replies are collected as they arrive.
 
-    :meth:`finish` must follow: it parks the connections whose replies were not
-    awaited (see :meth:`Masters.ask`).
+    :meth:`finish` must follow: it leaves the replies that were not awaited
+    owed on their connections, to be read before the connection's next reply
+    (see :meth:`Masters.ask`).
 
     Args:
         nodes: The masters.
         requests: What to send to each master; ``None`` skips it.
         claims: Reserved connections to send on, by master (see :meth:`Node.claim`).
         timeout: How long to wait for replies; by default the longest node timeout.
+        lanes: This thread's lane to each master (``None`` for a master that
+            cannot be polled, or for all of them); without one, connections
+            come from the master's shared pool.
     """
 
     def __init__(
@@ -60,6 +67,7 @@ class Round:
         requests: Sequence[Request | None],
         claims: dict[int, Any] | None = None,
         timeout: float | None = None,
+        lanes: Sequence[Lane | None] | None = None,
     ) -> None:
         self.nodes = nodes
         # A copy: a request sent again after a lost reply may differ from the first.
@@ -68,10 +76,12 @@ class Round:
         self.expired = False
         if timeout is None:
             timeout = max((node.timeout for node in nodes), default=0.0)
+        self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        self.lanes = lanes
         self._poll = select.poll()
-        # fd -> (master index, connection, replies to skip before ours, reused)
-        self._reading: dict[int, tuple[int, Any, int, bool]] = {}
+        # fd -> (master index, connection, replies to skip before ours, reused, lane or None)
+        self._reading: dict[int, Reading] = {}
         self._jobs: dict[concurrent.futures.Future[Any], int] = {}
         self._retried: set[int] = set()
         # Failures met while sending, reported to the first collect().
@@ -79,10 +89,10 @@ class Round:
         self._send_all(claims)
 
     def _send_all(self, claims: dict[int, Any] | None) -> None:
-        # Per master, everything a round does is inline for the common case (an
-        # idle or claimed connection, one write taking the whole command): at
+        # Per master, everything a round does is inline for the common case (this
+        # thread's lane, owing nothing, one write taking the whole command): at
         # five masters a round, calls cost more client CPU than the writes.
-        nodes, reading, register = self.nodes, self._reading, self._poll.register
+        nodes, lanes, reading, register = self.nodes, self.lanes, self._reading, self._poll.register
         # Usually one request for every master and one wire format: packed once.
         last: tuple[Request, Encoding, bool] | None = None
         packed: Any = None
@@ -90,15 +100,23 @@ class Round:
             if request is None:
                 continue
             node = nodes[i]
-            taken: tuple[Any, int] | None = None
-            if node.pollable:
-                claim = claims.get(i) if claims else None
-                owed = node.claim(claim) if claim is not None else None
-                taken = (claim, owed) if owed is not None else node.checkout()
-            if taken is None:
-                self._start(i)
-                continue
-            conn, skip = taken
+            lane = lanes[i] if lanes is not None else None
+            conn = None if lane is None else lane.conn
+            if (
+                conn is not None
+                and not lane.busy  # type: ignore[union-attr]
+                and not lane.owed  # type: ignore[union-attr]
+                and lane.epoch == node.failures  # type: ignore[union-attr]
+                and not claims
+            ):
+                skip = 0
+                lane.busy = True  # type: ignore[union-attr]
+            else:
+                taken = self._connection(i, lane, claims.get(i) if claims else None)
+                if taken is None:
+                    self._start(i)
+                    continue
+                conn, skip, lane = taken
             script = request.script
             known = script is None or script.sha in node.scripts
             if (
@@ -118,12 +136,43 @@ class Round:
                 except OSError:  # nothing written: send() tries again and reports
                     sent = 0
                 if sent == len(data):
-                    reading[fd] = (i, conn, skip, True)
+                    reading[fd] = (i, conn, skip, True, lane)
                     register(fd, select.POLLIN)
                     continue
-                self._write(i, conn, skip, True, [data[sent:]])
+                self._write(i, conn, skip, True, [data[sent:]], lane)
             else:
-                self._write(i, conn, skip, True, packed)
+                self._write(i, conn, skip, True, packed, lane)
+
+    def _connection(
+        self, i: int, lane: Lane | None, claim: Any
+    ) -> tuple[Any, int, Lane | None] | None:
+        """A connection to master ``i`` when the lane's is not free to use as it is.
+
+        Returns it with the replies it owes before ours and the lane it belongs
+        to (``None``: the shared pool's), or ``None``: open one with
+        :meth:`Node.start`. A claimed connection still carries the request the
+        new one must follow: it is this thread's lane's, or parked reserved.
+        """
+        node = self.nodes[i]
+        if not node.pollable:
+            return None
+        conn = None if lane is None else lane.conn
+        if claim is not None and claim is not conn:
+            owed = node.claim(claim)
+            if owed is not None:
+                return claim, owed, None
+        if lane is not None and conn is not None:
+            if lane.epoch != node.failures or (lane.owed and lane.give_up <= time.monotonic()):
+                # The master failed since (maybe restarted), or has owed
+                # replies for the node timeout (hung).
+                lane.drop(conn)
+                conn.disconnect()
+            elif not lane.busy and (lane.owed <= MAX_OWED or claim is conn):
+                # Pipelined behind the replies it owes, which are read first.
+                skip, lane.owed, lane.busy = lane.owed, 0, True
+                return conn, skip, lane
+        taken = node.checkout()
+        return None if taken is None else (*taken, None)
 
     def _start(self, i: int) -> None:
         request = self.requests[i]
@@ -134,20 +183,25 @@ class Round:
             self.outcomes[i] = exc
             self._failed.append(i)
 
-    def _write(self, i: int, conn: Any, skip: int, reused: bool, packed: Any) -> None:
+    def _write(
+        self, i: int, conn: Any, skip: int, reused: bool, packed: Any, lane: Lane | None
+    ) -> None:
         try:
             fd = send(conn, packed)
         except RedisError as exc:  # the connection closed itself
+            if lane is not None:
+                lane.drop(conn)
+            self.nodes[i].failures += 1
             self.nodes[i].scripts.clear()
             # Not all of it was sent, so it did not run: send it as it is.
             if not self._retry(i, reused, exc, self.requests[i]):
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
-        self._wait(fd, i, conn, skip, reused)
+        self._wait(fd, (i, conn, skip, reused, lane))
 
-    def _wait(self, fd: int, i: int, conn: Any, skip: int, reused: bool) -> None:
-        self._reading[fd] = (i, conn, skip, reused)
+    def _wait(self, fd: int, entry: Reading) -> None:
+        self._reading[fd] = entry
         self._poll.register(fd, select.POLLIN)
 
     def _retry(self, i: int, reused: bool, exc: RedisError, again: Request | None) -> bool:
@@ -198,8 +252,9 @@ class Round:
                     return
 
     def _read(self, fd: int, settle: Settle) -> bool:
-        i, conn, skip, reused = self._reading.pop(fd)
+        entry = self._reading.pop(fd)
         self._poll.unregister(fd)
+        i, conn, skip, _, lane = entry
         if not skip:
             # What prefetch() and ready_reply() do, inline for the common case:
             # the one reply owed, whole in one read, and not an error.
@@ -217,25 +272,35 @@ class Round:
                         # A protocol error leaves the stream unreadable, as redis-py has it.
                         conn.disconnect()
                         reply = exc
-                    if reply is not NOT_ENOUGH_DATA and not isinstance(reply, BaseException):
-                        node = self.nodes[i]
-                        script = self.requests[i].script  # type: ignore[union-attr]
-                        if script is not None:
-                            node.scripts.add(script.sha)
-                        node.checkin(conn)
-                        self.outcomes[i] = reply
-                        return settle(i, reply)
                     if reply is NOT_ENOUGH_DATA:
-                        self._wait(fd, i, conn, 0, reused)
+                        self._wait(fd, entry)
                         return False
-                    return self._read_owed(fd, i, conn, 0, reused, settle, reply)
-        return self._read_owed(fd, i, conn, skip, reused, settle, None)
+                    if isinstance(reply, BaseException):
+                        return self._read_owed(fd, entry, settle, reply)
+                    script = self.requests[i].script  # type: ignore[union-attr]
+                    if script is not None:
+                        self.nodes[i].scripts.add(script.sha)
+                    if lane is not None:
+                        lane.busy = False
+                    else:
+                        self._done(i, conn)
+                    self.outcomes[i] = reply
+                    return settle(i, reply)
+        return self._read_owed(fd, entry, settle, None)
 
-    def _read_owed(
-        self, fd: int, i: int, conn: Any, skip: int, reused: bool, settle: Settle, error: Any
-    ) -> bool:
+    def _done(self, i: int, conn: Any) -> None:
+        # A shared pool's connection that has nothing left to read: it becomes
+        # this thread's lane if the lane has none, or goes back to the pool.
+        lane = self.lanes[i] if self.lanes is not None else None
+        if lane is not None and lane.conn is None:
+            lane.take(conn, self.nodes[i].failures)
+        else:
+            self.nodes[i].checkin(conn)
+
+    def _read_owed(self, fd: int, entry: Reading, settle: Settle, error: Any) -> bool:
         # The general case: replies owed before ours, or ``error``, the error
         # reply _read() took (raised here as ready_reply() would).
+        i, conn, skip, reused, lane = entry
         node = self.nodes[i]
         request = self.requests[i]
         assert request is not None
@@ -256,23 +321,26 @@ class Round:
                 except ResponseError:
                     skipped = None
                 if skipped is INCOMPLETE:
-                    self._wait(fd, i, conn, skip, reused)
+                    self._wait(fd, (i, conn, skip, reused, lane))
                     return False
                 skip -= 1
             outcome = ready_reply(conn, reader)
             if outcome is INCOMPLETE:
-                self._wait(fd, i, conn, 0, reused)
+                self._wait(fd, (i, conn, 0, reused, lane))
                 return False
         except NoScriptError:
             node.scripts.clear()
-            self._write(i, conn, 0, False, conn.pack_command(*request.with_source()))
+            self._write(i, conn, 0, False, conn.pack_command(*request.with_source()), lane)
             return False
         except ResponseError as exc:
             outcome = exc
         except RedisError as exc:
             # Maybe a restart, which empties the script cache too.
             node.scripts.clear()
+            node.failures += 1
             conn.disconnect()
+            if lane is not None:
+                lane.drop(conn)
             # It may have run, with only its reply lost: resend it as its script says.
             if self._retry(i, reused, exc, request.resent()):
                 return False
@@ -281,7 +349,10 @@ class Round:
         else:
             if request.script is not None:
                 node.scripts.add(request.script.sha)
-        node.checkin(conn)
+        if lane is not None:
+            lane.busy = False
+        else:
+            self._done(i, conn)
         self.outcomes[i] = outcome
         return settle(i, outcome)
 
@@ -296,27 +367,38 @@ class Round:
             if isinstance(result, Connected):
                 request = self.requests[i]
                 assert request is not None
-                self._write(i, result.conn, 0, False, request.packed(result.conn, self.nodes[i]))
+                packed = request.packed(result.conn, self.nodes[i])
+                self._write(i, result.conn, 0, False, packed, None)
                 return False
             outcome = result
         self.outcomes[i] = outcome
         return settle(i, outcome)
 
-    def finish(self, follow_up: Request | None = None, reserve: bool = False) -> dict[int, Any]:
-        """Stop waiting; park the connections of masters that have not answered.
+    def finish(
+        self, follow_up: Request | None = None, reserve: bool = False, any_thread: bool = False
+    ) -> dict[int, Any]:
+        """Stop waiting; leave the replies not awaited owed on their connections.
+
+        A lane's connection stays with the lane, owing them; a shared pool's is
+        parked (see :meth:`Node.park`).
 
         Args:
             follow_up: Sent to every master that has not answered, on the
                 connection that carries the unanswered request, so the master
                 runs it second even if it is hung now and resumes later.
-            reserve: Park those connections for the caller, who can
-                :meth:`Node.claim` them later to send something behind them.
+            reserve: Keep those connections for the caller, who can claim
+                them later (``claims`` of a round) to send something behind
+                them: a lane keeps its own, for this thread; others are parked
+                reserved (see :meth:`Node.claim`).
+            any_thread: With ``reserve``, park lanes' connections too, so that
+                another thread can claim them.
 
         Returns:
-            The parked connections, by master index.
+            The connections owing replies, by master index.
         """
         parked: dict[int, Any] = {}
-        for i, conn, skip, _ in self._reading.values():
+        give_up = time.monotonic() + self.timeout if self._reading else 0.0
+        for i, conn, skip, _, lane in self._reading.values():
             owed = skip + 1
             if follow_up is not None:
                 try:
@@ -324,73 +406,23 @@ class Round:
                         conn.pack_command(*follow_up.with_source()), check_health=False
                     )
                 except RedisError:
+                    if lane is not None:
+                        lane.drop(conn)
                     continue
                 owed += 1
-            self.nodes[i].park(conn, owed, reserved=reserve)
+            if lane is not None and not any_thread:
+                lane.owed, lane.give_up, lane.busy = owed, give_up, False
+            else:
+                if lane is not None:
+                    lane.drop(conn)
+                self.nodes[i].park(conn, owed, give_up, reserved=reserve)
             parked[i] = conn
         for job, i in self._jobs.items():
             # A connection that comes too late for an acquire stays unused: an
             # acquire sent now could land after the release. Other requests
             # (release, renew) are still worth sending to it.
             late = None if reserve or follow_up is not None else self.requests[i]
-            job.add_done_callback(functools.partial(_late, self.nodes[i], late, follow_up))
+            job.add_done_callback(functools.partial(use_late_job, self.nodes[i], late, follow_up))
         self._reading.clear()
         self._jobs.clear()
         return parked
-
-
-def _late(
-    node: Node,
-    request: Request | None,
-    follow_up: Request | None,
-    job: concurrent.futures.Future[Any],
-) -> None:
-    """Use a background job that finished after its round was over.
-
-    A new connection carries ``request``, if any, or goes idle. A request run
-    through a client (a master that cannot be polled) has now run, or failed,
-    so its ``follow_up`` goes after it. It goes after a failure too: a request
-    that timed out waiting for its reply may still be run by a master that
-    resumes, and an acquire would then hold the key with nobody to release it.
-    """
-    try:
-        result = job.result()
-    except Exception:
-        if follow_up is not None and not node.pollable:
-            _follow(node, follow_up, FOLLOW_UP_TRIES)
-        return
-    if not isinstance(result, Connected):
-        if follow_up is not None:
-            _follow(node, follow_up, FOLLOW_UP_TRIES)
-        return
-    conn = result.conn
-    if request is None:
-        node.checkin(conn)
-        return
-    try:
-        conn.send_packed_command(conn.pack_command(*request.with_source()), check_health=False)
-    except RedisError:
-        return
-    node.park(conn, 1)
-
-
-def _follow(node: Node, follow_up: Request, tries: int) -> None:
-    """Run ``follow_up`` through ``node``'s client; try again while it fails, ``tries`` in all.
-
-    It goes on another connection than the request it follows, which a hung
-    master may still run when it resumes; a try that fails before it is even
-    sent (a new connection's handshake timing out) would leave that request
-    in force. Trying again for a few node timeouts covers a master that hangs
-    that long; one that hangs longer runs the request after the last try.
-    """
-    try:
-        job = node.start(follow_up)
-    except RedisError:
-        return
-    if tries > 1:
-
-        def again(done: concurrent.futures.Future[Any]) -> None:
-            if done.exception() is not None:
-                _follow(node, follow_up, tries - 1)
-
-        job.add_done_callback(again)

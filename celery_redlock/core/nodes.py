@@ -25,9 +25,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .forks import in_forked_children
+from .lanes import Lane, ThreadLane
 from .wire import Request
 
-__all__ = ["Connected", "Master", "Node", "bounded_client", "node_for"]
+__all__ = ["Connected", "Master", "Node", "bounded_client", "fork_generation", "node_for"]
 
 #: A master as given to Redlock: a ``redis.Redis`` client or a ``redis://`` URL.
 Master = Union[str, Any]
@@ -53,6 +54,15 @@ _executor_guard = threading.Lock()
 # Connections opened before a fork share their sockets with the parent: a child
 # must never use them. Nodes compare their generation with this one.
 _generation = 0
+
+
+def fork_generation() -> int:
+    """How many forks this process is away from the one that imported the module.
+
+    State keyed to it (connections, locks) was made before the latest fork when
+    its generation is older: a child must drop it, never use it.
+    """
+    return _generation
 
 
 def _background() -> concurrent.futures.ThreadPoolExecutor:
@@ -208,7 +218,12 @@ class Node:
         # SHAs of the scripts this master has run for us since it last failed;
         # others are sent with their source. (A set: atomic under the GIL.)
         self.scripts: set[str] = set()
+        # Connection failures met on this master, by any thread (see Lane.epoch).
+        self.failures = 0
         self._idle: list[Any] = []
+        # Each thread's own connection (see Lane). In a forked child this is
+        # replaced with the rest: the parent's lanes are never used there.
+        self._lanes = ThreadLane()
         # connection -> (replies owed, when to give up on them, reserved)
         self._parked: dict[Any, tuple[int, float, bool]] = {}
         self._jobs = 0
@@ -255,6 +270,15 @@ class Node:
         # one thread until it starts more, so this check needs no lock.
         if self._generation != _generation:
             self._reset()
+
+    def lane(self) -> Lane:
+        """This thread's lane to the master, created empty (no connection yet) on first use."""
+        self._after_fork()
+        lanes = self._lanes
+        lane = lanes.lane
+        if lane is None:
+            lane = lanes.lane = Lane()
+        return lane
 
     def claim(self, conn: Any) -> int | None:
         """Take back a parked connection; return what it owes, ``None`` if it is gone."""

@@ -9,6 +9,7 @@ masters are left to make one.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +18,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .error_text import describe_error
 from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round, Settle
-from .nodes import Node
+from .lanes import Lane
+from .nodes import Node, fork_generation
 from .wire import Request
 
 __all__ = [
@@ -83,8 +85,15 @@ class Votes:
         """Enough masters answered no that no majority can say yes, whatever the rest do."""
         return self.refused > self.size - self.needed
 
-    def settle(self, agrees: Callable[[int, Any], bool]) -> Settle:
-        """A ``settle`` callback for :meth:`Round.collect` that counts votes."""
+    def settle(
+        self, agrees: Callable[[int, Any], bool] | None = None, expected: Any = None
+    ) -> Settle:
+        """A ``settle`` callback for :meth:`Round.collect` that counts votes.
+
+        A reply agrees if ``agrees(index, reply)`` says so or, without
+        ``agrees``, if it equals ``expected``: a release (``1``) is voted on at
+        every cycle of a lock, and this saves it a call per reply.
+        """
         # Decided once a majority agreed, or once too few are left to make one.
         needed = self.needed
         spare = self.size - needed
@@ -92,7 +101,7 @@ class Votes:
         def count(i: int, outcome: Any) -> bool:
             if isinstance(outcome, BaseException):
                 self.failed += 1
-            elif agrees(i, outcome):
+            elif agrees(i, outcome) if agrees is not None else outcome == expected:
                 self.granted += 1
                 return self.granted >= needed
             else:
@@ -102,15 +111,36 @@ class Votes:
         return count
 
 
+class _ThreadLanes(threading.local):
+    # This thread's lane to each master, and the fork generation they belong to.
+    lanes: list[Lane | None] | None = None
+    generation = -1
+
+
 class Masters:
     """The masters of one Redlock, asked all at once."""
 
-    __slots__ = ("nodes", "quorum", "timeout")
+    __slots__ = ("_local", "nodes", "quorum", "timeout")
 
     def __init__(self, nodes: Sequence[Node], timeout: float) -> None:
         self.nodes = tuple(nodes)
         self.timeout = timeout
         self.quorum = len(self.nodes) // 2 + 1
+        self._local = _ThreadLanes()
+
+    def lanes(self) -> list[Lane | None]:
+        """This thread's lane to each master (``None`` for one that cannot be polled).
+
+        Looked up once per thread, and again in a forked child, whose nodes
+        drop the parent's lanes: one check of the fork generation a round.
+        """
+        local = self._local
+        generation = fork_generation()
+        lanes = local.lanes
+        if lanes is None or local.generation != generation:
+            lanes = local.lanes = [node.lane() if node.pollable else None for node in self.nodes]
+            local.generation = generation
+        return lanes
 
     @contextlib.contextmanager
     def ask(
@@ -136,19 +166,24 @@ class Masters:
         themselves (in a ``finally``).
         """
         requests = [request] * len(self.nodes) if isinstance(request, Request) else request
-        return Round(self.nodes, requests, claims, self.timeout)
+        return Round(self.nodes, requests, claims, self.timeout, self.lanes())
 
     def vote(
         self,
         request: Request,
-        agrees: Callable[[int, Any], bool],
+        agrees: Callable[[int, Any], bool] | None,
         claims: dict[int, Any] | None = None,
+        expected: Any = None,
     ) -> tuple[Round, Votes]:
-        """Send ``request`` to every master and count until a majority is won or lost."""
+        """Send ``request`` to every master and count until a majority is won or lost.
+
+        A reply agrees as :meth:`Votes.settle` has it: ``agrees`` says so, or
+        without it, the reply equals ``expected``.
+        """
         votes = Votes(len(self.nodes))
         round_ = self.send(request, claims)
         try:
-            round_.collect(votes.settle(agrees))
+            round_.collect(votes.settle(agrees, expected))
         finally:
             round_.finish()
         return round_, votes

@@ -217,7 +217,9 @@ class Redlock(Lock):
             if failure is not None:
                 self._undo(grant, granted, token)
             else:
-                lease.stragglers = grant.finish(reserve=True)
+                # A lock shared by threads may be released by another thread:
+                # its stragglers are parked where any thread can claim them.
+                lease.stragglers = grant.finish(reserve=True, any_thread=not self.thread_local)
         finally:
             grant.finish()
         self.local.holder = most_common_holder(holders) if holders else None
@@ -317,8 +319,11 @@ class Redlock(Lock):
         claims: dict[int, Any] = {}
         if isinstance(lease, RedlockLease) and lease.token == expected_token:
             claims, lease.stragglers = lease.stragglers, {}
-        round_, votes = self._masters.vote(request, lambda i, reply: reply == 1, claims)
-        if votes.won:
+        round_, votes = self._masters.vote(request, None, claims, expected=1)
+        # A lease already found lost stays lost: a master reached again after a
+        # restart counts a missing key as released when the release is resent
+        # after a lost reply (see scripts.RELEASE), which is no sign of holding it.
+        if votes.won and not (lease is not None and lease.lost):
             return
         # A lease past its validity is not ours whatever the masters that did
         # not answer might hold: report it lost rather than "cannot tell".

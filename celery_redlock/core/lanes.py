@@ -1,0 +1,59 @@
+"""Each thread's own connection to a Redlock master, kept from one operation to the next.
+
+Internal to :mod:`celery_redlock.core.fanout`, which sends on a thread's lanes
+and reads their replies; :class:`~celery_redlock.core.nodes.Node` keeps one
+lane per thread and drops them all in a forked child.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["Lane", "ThreadLane"]
+
+
+class Lane:
+    """One thread's connection to one master, kept from one operation to the next.
+
+    A thread runs one round at a time, so the connection needs no lock, and
+    replies nobody waited for are counted (``owed``) and read before the next
+    reply instead of the connection going back to a shared pool: no check-out,
+    check-in or parking per operation. The round that sends on the lane marks
+    it ``busy`` until its reply is read; a round the same thread starts
+    meanwhile (a second vote before the first one is finished) takes another
+    connection. Replies owed for longer than the node timeout close the
+    connection (``give_up``), as for a parked one; so does a failure of the
+    master that any thread met since the connection was taken (``epoch``): after
+    a restart, each thread's connection would otherwise fail on its first use,
+    and a request resent after a lost reply is not always the same request.
+    """
+
+    __slots__ = ("busy", "conn", "epoch", "give_up", "owed")
+
+    def __init__(self) -> None:
+        self.conn: Any = None
+        # The master's failure count when the connection was taken: a failure
+        # another thread met since (a restart) makes it stale.
+        self.epoch = 0
+        self.owed = 0
+        self.give_up = 0.0
+        self.busy = False
+
+    def take(self, conn: Any, epoch: int) -> None:
+        """Keep ``conn``, which has nothing left to read, for the thread's next rounds."""
+        self.conn, self.epoch, self.owed, self.busy = conn, epoch, 0, False
+
+    def drop(self, conn: Any) -> None:
+        """Forget ``conn`` if it is the lane's (it failed, or went to the shared pool)."""
+        if self.conn is conn:
+            self.conn = None
+            self.owed = 0
+            self.busy = False
+
+
+class ThreadLane(threading.local):
+    """A thread's lane to one master (``None`` until the thread first asks it)."""
+
+    # Class attributes are the per-thread defaults of a threading.local subclass.
+    lane: Lane | None = None

@@ -1,0 +1,79 @@
+"""What becomes of a Redlock round's background job that finished after the round was over.
+
+Internal to :mod:`celery_redlock.core.fanout`: a connection opened too late, or
+a request run through a client (a master that cannot be polled) whose
+follow-up must still go after it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from .nodes import Connected, Node
+from .wire import Request
+
+__all__ = ["FOLLOW_UP_TRIES", "use_late_job"]
+
+#: Most times the follow-up of a request run through a client is tried while it
+#: fails (a hung master times each try out: a few node timeouts in all).
+FOLLOW_UP_TRIES = 5
+
+
+def use_late_job(
+    node: Node,
+    request: Request | None,
+    follow_up: Request | None,
+    job: concurrent.futures.Future[Any],
+) -> None:
+    """Use a background job that finished after its round was over.
+
+    A new connection carries ``request``, if any, or goes idle. A request run
+    through a client (a master that cannot be polled) has now run, or failed,
+    so its ``follow_up`` goes after it. It goes after a failure too: a request
+    that timed out waiting for its reply may still be run by a master that
+    resumes, and an acquire would then hold the key with nobody to release it.
+    """
+    try:
+        result = job.result()
+    except Exception:
+        if follow_up is not None and not node.pollable:
+            _follow(node, follow_up, FOLLOW_UP_TRIES)
+        return
+    if not isinstance(result, Connected):
+        if follow_up is not None:
+            _follow(node, follow_up, FOLLOW_UP_TRIES)
+        return
+    conn = result.conn
+    if request is None:
+        node.checkin(conn)
+        return
+    try:
+        conn.send_packed_command(conn.pack_command(*request.with_source()), check_health=False)
+    except RedisError:
+        return
+    node.park(conn, 1)
+
+
+def _follow(node: Node, follow_up: Request, tries: int) -> None:
+    """Run ``follow_up`` through ``node``'s client; try again while it fails, ``tries`` in all.
+
+    It goes on another connection than the request it follows, which a hung
+    master may still run when it resumes; a try that fails before it is even
+    sent (a new connection's handshake timing out) would leave that request
+    in force. Trying again for a few node timeouts covers a master that hangs
+    that long; one that hangs longer runs the request after the last try.
+    """
+    try:
+        job = node.start(follow_up)
+    except RedisError:
+        return
+    if tries > 1:
+
+        def again(done: concurrent.futures.Future[Any]) -> None:
+            if done.exception() is not None:
+                _follow(node, follow_up, tries - 1)
+
+        job.add_done_callback(again)
