@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -312,3 +313,28 @@ def test_a_shared_counter_past_the_fence_counts_only_where_this_token_holds_the_
     r.delete("job")
     assert RAISE_FENCE(r, ("job", counter), ("mine", 900, 60_000)) == 1
     assert int(r.get(counter)) == 900
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_never_uses_the_connections_its_parent_keeps(five):
+    """A parent and a child forked after its cycles run cycles at once, each on its own sockets."""
+    lock = Redlock([s.client() for s in five], "job", timeout=10, sleep=0.001)
+    warm(lock)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            for _ in range(100):
+                if lock.acquire(blocking_timeout=5):
+                    lock.release()
+            code = 0
+        finally:
+            os._exit(code)
+    # On a shared socket one process would read the other's replies: votes
+    # lost or miscounted, a release that deletes nothing, a token left behind.
+    for _ in range(100):
+        assert lock.acquire(blocking_timeout=5)
+        lock.release()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert wait_until(lambda: lock_values(five, "job") == [None] * 5)
