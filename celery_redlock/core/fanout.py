@@ -23,6 +23,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .lanes import Lane
 from .late_jobs import use_late_job
+from .lua import Script
 from .nodes import MAX_OWED, Connected, Node
 from .sockets import INCOMPLETE, NOT_ENOUGH_DATA, PREFETCH_SIZE, prefetch, ready_reply, send
 from .wire import Encoding, Request
@@ -39,9 +40,10 @@ NOT_ASKED = object()
 #: ``settle(master index, reply or error)``: ``True`` once the round is decided.
 Settle = Callable[[int, Any], bool]
 #: A connection a round waits on: master index, connection, replies owed on it
-#: before ours, whether it was reused (a failure may be a stale connection), and
-#: the lane it belongs to (``None``: a shared pool's).
-Reading = tuple[int, Any, int, bool, Union[Lane, None]]
+#: before ours, whether it was reused (a failure may be a stale connection), the
+#: lane it belongs to (``None``: a shared pool's), and the script the master
+#: learns by running the request (``None``: none, or known already).
+Reading = tuple[int, Any, int, bool, Union[Lane, None], Union[Script, None]]
 
 
 class Round:
@@ -72,13 +74,17 @@ class Round:
         self.nodes = nodes
         # A copy: a request sent again after a lost reply may differ from the first.
         self.requests = list(requests)
-        self.outcomes: list[Any] = [NOT_ASKED if r is None else PENDING for r in requests]
+        self.outcomes: list[Any] = (
+            [NOT_ASKED if r is None else PENDING for r in requests]
+            if None in self.requests
+            else [PENDING] * len(self.requests)
+        )
         self.expired = False
         if timeout is None:
             timeout = max((node.timeout for node in nodes), default=0.0)
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.lanes = lanes
+        self.lanes: Sequence[Lane | None] = [None] * len(nodes) if lanes is None else lanes
         self._poll = select.poll()
         # fd -> (master index, connection, replies to skip before ours, reused, lane or None)
         self._reading: dict[int, Reading] = {}
@@ -94,13 +100,16 @@ class Round:
         # five masters a round, calls cost more client CPU than the writes.
         nodes, lanes, reading, register = self.nodes, self.lanes, self._reading, self._poll.register
         # Usually one request for every master and one wire format: packed once.
-        last: tuple[Request, Encoding, bool] | None = None
+        last_request: Request | None = None
+        last_encoding: Encoding | None = None
+        last_known = False
         packed: Any = None
+        data: bytes | None = None
         for i, request in enumerate(self.requests):
             if request is None:
                 continue
             node = nodes[i]
-            lane = lanes[i] if lanes is not None else None
+            lane = lanes[i]
             conn = None if lane is None else lane.conn
             if (
                 conn is not None
@@ -120,23 +129,23 @@ class Round:
             script = request.script
             known = script is None or script.sha in node.scripts
             if (
-                last is None
-                or last[0] is not request
-                or last[1] != node.encoding
-                or last[2] != known
+                request is not last_request
+                or known is not last_known
+                or node.encoding != last_encoding
             ):
                 packed = request.packed(conn, node)
-                last = (request, node.encoding, known)
+                data = packed[0] if len(packed) == 1 else None
+                last_request, last_encoding, last_known = request, node.encoding, known
             sock = conn._sock
-            if sock is not None and sock.timeout is not None and len(packed) == 1:
-                data = packed[0]
+            if data is not None and sock is not None:
                 fd = sock.fileno()
                 try:
                     sent = os.write(fd, data)
                 except OSError:  # nothing written: send() tries again and reports
                     sent = 0
                 if sent == len(data):
-                    reading[fd] = (i, conn, skip, True, lane)
+                    # Once a master runs a script sent with its source, it knows it.
+                    reading[fd] = (i, conn, skip, True, lane, None if known else script)
                     register(fd, select.POLLIN)
                     continue
                 self._write(i, conn, skip, True, [data[sent:]], lane)
@@ -198,7 +207,7 @@ class Round:
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
-        self._wait(fd, (i, conn, skip, reused, lane))
+        self._wait(fd, (i, conn, skip, reused, lane, self.requests[i].script))  # type: ignore[union-attr]
 
     def _wait(self, fd: int, entry: Reading) -> None:
         self._reading[fd] = entry
@@ -236,10 +245,7 @@ class Round:
                 return
             if self._reading:
                 wait = min(remaining, JOB_POLL) if self._jobs else remaining
-                decided = False
-                for fd, _ in self._poll.poll(wait * 1000):
-                    decided = self._read(fd, settle) or decided
-                if decided:
+                if self._read(self._poll.poll(wait * 1000), settle):
                     return
             else:
                 concurrent.futures.wait(self._jobs, remaining, concurrent.futures.FIRST_COMPLETED)
@@ -251,42 +257,48 @@ class Round:
                 if settle(i, self.outcomes[i]):
                     return
 
-    def _read(self, fd: int, settle: Settle) -> bool:
-        entry = self._reading.pop(fd)
-        self._poll.unregister(fd)
-        i, conn, skip, _, lane = entry
-        if not skip:
-            # What prefetch() and ready_reply() do, inline for the common case:
-            # the one reply owed, whole in one read, and not an error.
-            reader = getattr(conn._parser, "_reader", None)
-            if reader is not None and conn._sock is not None:
-                try:
-                    data = os.read(fd, PREFETCH_SIZE)
-                except OSError:  # prefetch() reads again and reports
-                    data = b""
-                if data:
-                    reader.feed(data)
-                    try:
-                        reply = reader.gets()
-                    except BaseException as exc:
-                        # A protocol error leaves the stream unreadable, as redis-py has it.
-                        conn.disconnect()
-                        reply = exc
-                    if reply is NOT_ENOUGH_DATA:
-                        self._wait(fd, entry)
-                        return False
-                    if isinstance(reply, BaseException):
-                        return self._read_owed(fd, entry, settle, reply)
-                    script = self.requests[i].script  # type: ignore[union-attr]
-                    if script is not None:
-                        self.nodes[i].scripts.add(script.sha)
-                    if lane is not None:
-                        lane.busy = False
-                    else:
-                        self._done(i, conn)
-                    self.outcomes[i] = reply
-                    return settle(i, reply)
-        return self._read_owed(fd, entry, settle, None)
+    def _read(self, events: list[tuple[int, int]], settle: Settle) -> bool:
+        # Every reply poll() reported, in one call; True once ``settle`` said
+        # the round is decided. What prefetch() and ready_reply() do is inline
+        # for the common case: the one reply owed, whole in one read, no error.
+        reading, unregister, outcomes = self._reading, self._poll.unregister, self.outcomes
+        decided = False
+        for fd, _ in events:
+            entry = reading.pop(fd)
+            unregister(fd)
+            i, conn, skip, _, lane, script = entry
+            reader = None if skip else getattr(conn._parser, "_reader", None)
+            if reader is None or conn._sock is None:
+                decided = self._read_owed(fd, entry, settle, None) or decided
+                continue
+            try:
+                data = os.read(fd, PREFETCH_SIZE)
+            except OSError:  # _read_owed() reads again and reports
+                data = b""
+            if not data:
+                decided = self._read_owed(fd, entry, settle, None) or decided
+                continue
+            reader.feed(data)
+            try:
+                reply = reader.gets()
+            except BaseException as exc:
+                # A protocol error leaves the stream unreadable, as redis-py has it.
+                conn.disconnect()
+                reply = exc
+            if reply is NOT_ENOUGH_DATA:
+                self._wait(fd, entry)
+            elif isinstance(reply, BaseException):
+                decided = self._read_owed(fd, entry, settle, reply) or decided
+            else:
+                if script is not None:
+                    self.nodes[i].scripts.add(script.sha)
+                if lane is not None:
+                    lane.busy = False
+                else:
+                    self._done(i, conn)
+                outcomes[i] = reply
+                decided = settle(i, reply) or decided
+        return decided
 
     def _done(self, i: int, conn: Any) -> None:
         # A shared pool's connection that has nothing left to read: it becomes
@@ -300,7 +312,7 @@ class Round:
     def _read_owed(self, fd: int, entry: Reading, settle: Settle, error: Any) -> bool:
         # The general case: replies owed before ours, or ``error``, the error
         # reply _read() took (raised here as ready_reply() would).
-        i, conn, skip, reused, lane = entry
+        i, conn, skip, reused, lane, script = entry
         node = self.nodes[i]
         request = self.requests[i]
         assert request is not None
@@ -321,12 +333,12 @@ class Round:
                 except ResponseError:
                     skipped = None
                 if skipped is INCOMPLETE:
-                    self._wait(fd, (i, conn, skip, reused, lane))
+                    self._wait(fd, (i, conn, skip, reused, lane, script))
                     return False
                 skip -= 1
             outcome = ready_reply(conn, reader)
             if outcome is INCOMPLETE:
-                self._wait(fd, (i, conn, 0, reused, lane))
+                self._wait(fd, (i, conn, 0, reused, lane, script))
                 return False
         except NoScriptError:
             node.scripts.clear()
@@ -398,7 +410,7 @@ class Round:
         """
         parked: dict[int, Any] = {}
         give_up = time.monotonic() + self.timeout if self._reading else 0.0
-        for i, conn, skip, _, lane in self._reading.values():
+        for i, conn, skip, _, lane, _ in self._reading.values():
             owed = skip + 1
             if follow_up is not None:
                 try:

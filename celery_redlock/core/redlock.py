@@ -261,9 +261,10 @@ class Redlock(Lock):
         """
         drawn = list(fences.values())
         fence = max(drawn)
-        votes = Votes(len(self._masters.nodes), drawn.count(fence))
-        if votes.won:
+        holding = drawn.count(fence)
+        if holding >= self._masters.quorum:
             return fence, None
+        votes = Votes(len(self._masters.nodes), holding)
         request = Request.run(
             RAISE_FENCE, (self.name, self.fence_key), (token, fence, self._fence_retention_ms)
         )
