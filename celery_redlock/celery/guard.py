@@ -13,7 +13,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
@@ -52,6 +52,7 @@ from . import events
 from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 from .queueing import in_line, line_header, place_for, seen_in_line, waited
 from .result import SKIPPED, already_done
+from .skipping import Skipped, ends_quietly, hooks_see_success
 
 __all__ = [
     "TaskGuard",
@@ -61,8 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-
-T = TypeVar("T")
 
 # Set while the guard republishes a call it did not run (a requeue), so the
 # enqueue side can tell it from a retry, which republishes a call that ran.
@@ -114,26 +113,37 @@ class TaskGuard(Guard[Any]):
         self._template: Lock | None = None
         self._fence_key: str | None = None
         self._in_line = in_line(options)
+        self._hooks_see_success = hooks_see_success(task)
 
     def run(
         self,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        body: Callable[[], T],
+        body: Callable[[], Any],
         request: Any = None,
-    ) -> T:
+    ) -> Any:
         """Run ``body`` while holding the lock of this call, or resolve the conflict.
 
         ``request``: the task's running request, when the caller has read it
         already (``task.request`` is a slow property); ``None`` reads it.
 
+        Returns:
+            The body's result; for a skipped call whose run can end quietly
+            (:func:`~celery_redlock.celery.skipping.ends_quietly`), a text
+            saying why it was skipped, which Celery neither stores nor passes on.
+
         Raises:
-            celery.exceptions.Ignore: When the call is skipped or requeued.
+            celery.exceptions.Ignore: When the call is requeued, or skipped and
+                cannot end quietly.
             LockNotAcquired: Under ``on_conflict="raise"``, or when requeues run out.
             LockKeyError: When the arguments cannot make a key.
         """
         try:
             return run_guarded(self, self._call(args, kwargs, request), body)
+        except Skipped as skipped:
+            if ends_quietly(self.task.request, self._hooks_see_success):
+                return str(skipped)
+            raise skipped.with_traceback(None) from None
         except Ignore as ignored:
             # Celery copies every frame of an Ignore's traceback (with each code
             # object's position table) into an ExceptionInfo, twice: starting
@@ -183,7 +193,7 @@ class TaskGuard(Guard[Any]):
             self._requeue(call.rate_key, Refusal(), Decision("requeue"), delay=delay)
         if action == "skip":
             self._record_skip(call.rate_key, None, reason="rate")
-            raise Ignore()
+            raise Skipped(f"skipped: rate {self.options.rate} of {call.rate_key} reached")
         raise rate_limited(call.label, call.rate_key, self.options.rate, verdict)
 
     def new_lock(self, call: Call) -> AdmissionLock:
@@ -286,7 +296,7 @@ class TaskGuard(Guard[Any]):
             self._requeue(key, refusal, decision)
         if decision.action == "skip":
             self._record_skip(key, refusal.holder)
-            raise Ignore()
+            raise Skipped(f"skipped: {refusal.describe()} holds lock {key}")
         raise not_acquired(self._label(), key, refusal, "task")
 
     def _leave_line(self, lock: Any, key: str) -> None:

@@ -170,9 +170,9 @@ class EnqueueGuard(TaskGuard):
         self,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
-        body: Callable[[], T],
+        body: Callable[[], Any],
         request: Any = None,
-    ) -> T:
+    ) -> Any:
         """Run ``body`` in this mode's window, or resolve the conflict (see :class:`TaskGuard`).
 
         ``until_expired`` costs the worker nothing: only the period ends its window.

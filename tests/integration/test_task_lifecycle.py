@@ -12,9 +12,10 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from typing import ClassVar
 
 import pytest
-from celery import Celery
+from celery import Celery, chain, chord
 from celery import signals as celery_signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
@@ -300,6 +301,144 @@ def test_get_of_a_skipped_duplicate_raises_at_once_naming_the_holder(make_app):
         assert isinstance(returned, DuplicateSkipped)
         finish.set()
         assert first.get(timeout=10) == 1
+
+
+def _skipped_while_held(app, hold, duplicates):
+    """Run ``hold(7)``, send each of ``duplicates`` while it holds, return (first, postrun states).
+
+    ``duplicates`` are callables sending a copy of ``hold(7)`` and returning its
+    id. Returns once every copy's run has ended (its ``task_postrun`` sent),
+    with each copy's postrun ``state`` and ``retval`` by id.
+    """
+    ended: dict[str, tuple] = {}
+
+    def postrun(task_id=None, state=None, retval=None, **kwargs):
+        ended[task_id] = (state, retval)
+
+    celery_signals.task_postrun.connect(postrun, weak=False)
+    try:
+        first = hold.delay(7)
+        assert hold.started.wait(10)
+        ids = [send() for send in duplicates]
+        deadline = time.monotonic() + 10
+        while not all(i in ended for i in ids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(i in ended for i in ids), ended
+    finally:
+        celery_signals.task_postrun.disconnect(postrun)
+    return first, {i: ended[i] for i in ids}
+
+
+def _drained(app, timeout: float = 10) -> None:
+    """Wait until the in-process worker has nothing reserved or running and its queue is empty."""
+    from celery.worker import state as worker_state
+
+    client = app.connection_for_read().default_channel.client
+    queue = app.conf.task_default_queue
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        busy = worker_state.active_requests or worker_state.reserved_requests
+        if not busy and client.llen(queue) == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the worker did not drain")
+
+
+def _holding_task(app, name: str, base=SingletonTask):
+    started, finish = threading.Event(), threading.Event()
+
+    @app.task(base=base, name=name)
+    def hold(x):
+        started.set()
+        finish.wait(10)
+        return x
+
+    hold.started, hold.finish = started, finish
+    return hold
+
+
+def test_a_skipped_duplicate_stores_nothing_over_skipped_and_sends_nothing_on(make_app):
+    """A skip ends without a stored result, link callback, next chain step or chord part.
+
+    The duplicate's run returns instead of raising ``Ignore`` (the cheap ending):
+    each of these would follow a plain return unless the request forbids it.
+    """
+    app = make_app()
+    hold = _holding_task(app, "t.skip_ends")
+    ran: list[str] = []
+
+    @app.task(name="t.after")
+    def after(label):
+        ran.append(label)
+
+    with worker(app):
+        first, ended = _skipped_while_held(
+            app,
+            hold,
+            [
+                lambda: hold.apply_async((7,), link=after.si("linked")).id,
+                lambda: chain(hold.si(7), after.si("chained")).apply_async().parent.id,
+                lambda: (
+                    chord([hold.si(7)], after.si("chord body")).apply_async().parent.results[0].id
+                ),
+            ],
+        )
+        for task_id, (state, retval) in ended.items():
+            result = hold.AsyncResult(task_id)
+            assert result.state == SKIPPED, (task_id, result.state)
+            assert result.info["holder"] == first.id
+            # What the tracer logs as the run's return value names the holder.
+            assert state == "SUCCESS" and first.id in retval
+        hold.finish.set()
+        assert first.get(timeout=10) == 7
+        assert after.delay("sentinel").get(timeout=10) is None
+        _drained(app)
+    assert ran == ["sentinel"]
+
+
+class _SeesSuccess(SingletonTask):
+    """A task class whose hooks a plain return would reach."""
+
+    abstract = True
+    successes: ClassVar[list[str]] = []
+
+    def on_success(self, retval, task_id, args, kwargs):
+        self.successes.append(task_id)
+
+
+@pytest.mark.parametrize("seen_by", ["on_success", "task_success", "eager"])
+def test_a_skip_that_user_code_would_see_as_a_success_ends_with_ignore(make_app, seen_by):
+    """An on_success override, a task_success receiver or an eager call: a skip is an Ignore."""
+    app = make_app()
+    hold = _holding_task(
+        app, f"t.seen_{seen_by}", _SeesSuccess if seen_by == "on_success" else SingletonTask
+    )
+    successes: list[str] = []
+
+    def on_task_success(sender=None, **kwargs):
+        successes.append(sender.request.id)
+
+    if seen_by == "task_success":
+        celery_signals.task_success.connect(on_task_success, weak=False)
+    try:
+        with worker(app):
+            if seen_by == "eager":
+                first = hold.delay(7)
+                assert hold.started.wait(10)
+                eager = hold.apply((7,))
+                assert eager.state == "IGNORED"
+                ended = {}
+            else:
+                first, ended = _skipped_while_held(app, hold, [lambda: hold.delay(7).id])
+            for task_id, (state, _) in ended.items():
+                assert state == "IGNORED"
+                assert hold.AsyncResult(task_id).state == SKIPPED
+            hold.finish.set()
+            assert first.get(timeout=10) == 7
+    finally:
+        celery_signals.task_success.disconnect(on_task_success)
+    skipped = set(ended)
+    assert not skipped & set(successes + _SeesSuccess.successes)
 
 
 def test_raise_fails_with_lock_not_acquired_naming_the_holder(make_app):
