@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn
 
-from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject
 from redis.exceptions import RedisError
 
@@ -51,8 +50,8 @@ from celery_redlock.core.store import LockStore
 from . import events
 from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 from .queueing import in_line, line_header, place_for, seen_in_line, waited
-from .result import SKIPPED, already_done
-from .skipping import Skipped, ends_quietly, hooks_see_success
+from .result import already_done
+from .skipping import Skipped, ends_quietly, hooks_see_success, skip
 
 __all__ = [
     "TaskGuard",
@@ -192,8 +191,8 @@ class TaskGuard(Guard[Any]):
             delay = rate_countdown(self.options, verdict, random.random())
             self._requeue(call.rate_key, Refusal(), Decision("requeue"), delay=delay)
         if action == "skip":
-            self._record_skip(call.rate_key, None, reason="rate")
-            raise Skipped(f"skipped: rate {self.options.rate} of {call.rate_key} reached")
+            why = f"skipped: rate {self.options.rate} of {call.rate_key} reached"
+            skip(self.task, call.rate_key, None, why, reason="rate")
         raise rate_limited(call.label, call.rate_key, self.options.rate, verdict)
 
     def new_lock(self, call: Call) -> AdmissionLock:
@@ -295,8 +294,7 @@ class TaskGuard(Guard[Any]):
             # good (if the first delivery died) and running would run it twice.
             self._requeue(key, refusal, decision)
         if decision.action == "skip":
-            self._record_skip(key, refusal.holder)
-            raise Skipped(f"skipped: {refusal.describe()} holds lock {key}")
+            skip(self.task, key, refusal.holder, f"skipped: {refusal.describe()} holds lock {key}")
         raise not_acquired(self._label(), key, refusal, "task")
 
     def _leave_line(self, lock: Any, key: str) -> None:
@@ -411,23 +409,6 @@ class TaskGuard(Guard[Any]):
         raise LockError(
             f"could not requeue for lock {key}: {describe_error(exc)}", lock_name=key
         ) from exc
-
-    def _record_skip(self, key: str, holder: Holder | None, reason: str = "duplicate") -> None:
-        task, request = self.task, self.task.request
-        if task.ignore_result or isinstance(task.backend, DisabledBackend):
-            return
-        try:
-            task.update_state(
-                state=SKIPPED,
-                meta={
-                    "reason": reason,
-                    "key": key,
-                    "holder": holder.task_id if holder else None,
-                    "holder_hostname": holder.hostname if holder else None,
-                },
-            )
-        except Exception:  # recording is a courtesy; the skip stands
-            logger.warning("task %s[%s]: could not record SKIPPED", task.name, request.id)
 
     @staticmethod
     def _met_itself(request: Any) -> bool:

@@ -26,13 +26,21 @@ sends a ``task-succeeded`` event, and ``task_postrun`` receivers get the state
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, NoReturn
 
 from celery import signals
 from celery.app.trace import task_has_custom
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore
 
-__all__ = ["Skipped", "ends_quietly", "hooks_see_success"]
+from celery_redlock.core.holder import Holder
+
+from .result import SKIPPED
+
+__all__ = ["Skipped", "ends_quietly", "hooks_see_success", "skip"]
+
+logger = logging.getLogger(__name__)
 
 
 class Skipped(Ignore):  # type: ignore[misc]  # celery ships no type hints
@@ -43,6 +51,28 @@ class Skipped(Ignore):  # type: ignore[misc]  # celery ships no type hints
     Its message is what the quiet return hands to the tracer, which logs it
     as the run's return value.
     """
+
+
+def skip(
+    task: Any, key: str, holder: Holder | None, why: str, reason: str = "duplicate"
+) -> NoReturn:
+    """Record ``SKIPPED`` naming ``holder`` where the task stores results, then end the run.
+
+    Raises:
+        Skipped: Always, with ``why`` as its message.
+    """
+    if not task.ignore_result and not isinstance(task.backend, DisabledBackend):
+        meta = {
+            "reason": reason,
+            "key": key,
+            "holder": holder.task_id if holder else None,
+            "holder_hostname": holder.hostname if holder else None,
+        }
+        try:
+            task.update_state(state=SKIPPED, meta=meta)
+        except Exception:  # recording is a courtesy; the skip stands
+            logger.warning("task %s[%s]: could not record SKIPPED", task.name, task.request.id)
+    raise Skipped(why)
 
 
 def hooks_see_success(task: Any) -> bool:
