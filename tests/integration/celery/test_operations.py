@@ -24,7 +24,7 @@ from celery import Celery
 from celery.bin.base import CLIContext
 from click.testing import CliRunner, Result
 
-from celery_redlock.core.fences import FENCE_COUNTER
+from celery_redlock.core.fences import counter_for
 from celery_redlock.ops.cli import redlock
 from tests.celery_harness import REPO_ROOT, CeleryWorker, WorkerError, task_states, wait_until
 from tests.integration.celery.conftest import WorkerFactory
@@ -189,7 +189,7 @@ def test_purge_dry_run_deletes_nothing(
     assert all(f"would delete {key}" in dry.output for key in held)
     assert "nothing was deleted" in dry.output
     assert {key: db9.get(key) for key in held} == values
-    assert db9.exists(FENCE_COUNTER)
+    assert db9.exists(counter_for(held[0]))  # the prefix's fence counter is no lock
 
     declined = invoke(storm_app, "purge", "--task", "storm.hold", input="n\n")
     assert declined.exit_code == 1 and {key: db9.get(key) for key in held} == values
@@ -198,7 +198,7 @@ def test_purge_dry_run_deletes_nothing(
     assert done.exit_code == 0, done.output
     assert "deleted 2 lock(s)" in done.output
     assert not any(db9.exists(key) for key in held)
-    assert db9.exists(FENCE_COUNTER)  # fences keep increasing
+    assert db9.exists(counter_for(held[0]))  # fences keep increasing
 
     assert invoke(storm_app, "purge").exit_code == 2  # neither --task nor --all
 
