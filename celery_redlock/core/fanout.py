@@ -116,7 +116,7 @@ class Round:
                 and not lane.busy  # type: ignore[union-attr]
                 and not lane.owed  # type: ignore[union-attr]
                 and lane.epoch == node.failures  # type: ignore[union-attr]
-                and not claims
+                and (not claims or i not in claims)
             ):
                 skip = 0
                 lane.busy = True  # type: ignore[union-attr]
