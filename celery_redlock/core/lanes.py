@@ -8,9 +8,13 @@ lane per thread and drops them all in a forked child.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Lane", "ThreadLane"]
+__all__ = ["HandBack", "Lane", "ThreadLane"]
+
+#: ``hand_back(connection, replies owed, when to give up on them)``.
+HandBack = Callable[[Any, int, float], None]
 
 
 class Lane:
@@ -29,9 +33,11 @@ class Lane:
     and a request resent after a lost reply is not always the same request.
     """
 
-    __slots__ = ("busy", "conn", "epoch", "give_up", "owed")
+    __slots__ = ("busy", "conn", "epoch", "give_up", "hand_back", "owed")
 
-    def __init__(self) -> None:
+    def __init__(self, hand_back: HandBack | None = None) -> None:
+        # Called with the connection when the thread ends (see __del__).
+        self.hand_back = hand_back
         self.conn: Any = None
         # The master's failure count when the connection was taken: a failure
         # another thread met since (a restart) makes it stale.
@@ -50,6 +56,14 @@ class Lane:
             self.conn = None
             self.owed = 0
             self.busy = False
+
+    def __del__(self) -> None:
+        # A lane goes when its thread ends (or its greenlet: a gevent pool runs
+        # each task in a new one). Its connection goes back to the master's
+        # shared pool, so that the next thread does not connect again.
+        conn, hand_back = self.conn, self.hand_back
+        if conn is not None and hand_back is not None and not self.busy:
+            hand_back(conn, self.owed, self.give_up)
 
 
 class ThreadLane(threading.local):

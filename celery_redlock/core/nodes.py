@@ -13,6 +13,7 @@ connections are in :mod:`celery_redlock.core.wire`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import weakref
@@ -277,8 +278,18 @@ class Node:
         lanes = self._lanes
         lane = lanes.lane
         if lane is None:
-            lane = lanes.lane = Lane()
+            lane = lanes.lane = Lane(functools.partial(self._hand_back, self._generation))
         return lane
+
+    def _hand_back(self, generation: int, conn: Any, owed: int, give_up: float) -> None:
+        # The connection of a lane whose thread ended. A child forked since
+        # drops the parent's lanes: their connections are never its to use.
+        if generation != _generation or generation != self._generation:
+            return
+        if owed:
+            self.park(conn, owed, give_up)
+        else:
+            self.checkin(conn)
 
     def claim(self, conn: Any) -> int | None:
         """Take back a parked connection; return what it owes, ``None`` if it is gone."""
