@@ -86,7 +86,7 @@ class Round:
         self.deadline = time.monotonic() + timeout
         self.lanes: Sequence[Lane | None] = [None] * len(nodes) if lanes is None else lanes
         self._poll = select.poll()
-        # fd -> (master index, connection, replies to skip before ours, reused, lane or None)
+        # fd -> what the round waits for on it (see Reading)
         self._reading: dict[int, Reading] = {}
         self._jobs: dict[concurrent.futures.Future[Any], int] = {}
         self._retried: set[int] = set()

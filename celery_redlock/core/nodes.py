@@ -2,7 +2,9 @@
 
 Internal to :mod:`celery_redlock.core.redlock`. A :class:`Node` keeps private
 connections to one master, with socket timeouts bounded by the node timeout and
-no client-side retries. Connections are opened on a process-wide thread pool
+no client-side retries: one per thread that uses the master (its
+:class:`~celery_redlock.core.lanes.Lane`), and a shared pool of idle and
+parked ones. Connections are opened on a process-wide thread pool
 (created on first use and again after ``fork()``), so a master that hangs
 while connecting costs the caller nothing. The fork hook that resets this
 state is registered with the first node, and the registry that shares nodes
