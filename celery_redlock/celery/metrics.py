@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import bisect
 import threading
-import time
 import weakref
 from typing import Any
 
-from . import events
+from . import stats
 from .reaper import REASONS
-from .stats import StatsTable
+from .stats import (
+    _BUCKET_CELLS,
+    _COUNT,
+    _ENDED,
+    _SUM_US,
+    _TAKEN,
+    WAIT_BUCKETS,
+    WAIT_TABLE_CELLS,
+    StatsTable,
+)
 
 __all__ = [
     "WAIT_BUCKETS",
@@ -41,20 +49,6 @@ __all__ = [
     "enable",
     "worker_report",
 ]
-
-#: Upper bounds (seconds) of the lock wait histogram's buckets; a last one is +Inf.
-WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-_BUCKET_CELLS = len(WAIT_BUCKETS) + 1
-_COUNT, _SUM_US, _TAKEN, _ENDED = range(_BUCKET_CELLS, _BUCKET_CELLS + 4)
-_CELLS = (
-    *(f"le_{bound:g}" for bound in WAIT_BUCKETS),
-    "le_inf",
-    "count",
-    "sum_us",
-    "taken",
-    "ended",
-)
 
 
 class WaitTable(StatsTable):
@@ -66,7 +60,7 @@ class WaitTable(StatsTable):
     """
 
     def __init__(self, tasks: Any, processes: int) -> None:
-        super().__init__(tasks, processes, _CELLS)
+        super().__init__(tasks, processes, WAIT_TABLE_CELLS)
 
     def _own_base(self) -> int:
         base = super()._own_base()
@@ -111,7 +105,7 @@ class WaitTable(StatsTable):
         wait: dict[str, dict[str, Any]] = {}
         held: dict[str, int] = {}
         for task, cells in self.totals().items():
-            counts = [cells[name] for name in _CELLS[:_BUCKET_CELLS]]
+            counts = [cells[name] for name in WAIT_TABLE_CELLS[:_BUCKET_CELLS]]
             cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
             if cells["count"]:
                 wait[task] = {
@@ -123,7 +117,6 @@ class WaitTable(StatsTable):
         return wait, held
 
 
-_tables: weakref.WeakKeyDictionary[Any, WaitTable] = weakref.WeakKeyDictionary()
 _reaped: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 _passes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _reaped_guard = threading.Lock()
@@ -135,8 +128,9 @@ def enable(app: Any, processes: int) -> WaitTable:
     Call it in the worker's main process before the pool starts, as
     :func:`celery_redlock.celery.stats.enable`.
     """
-    table = _tables[app] = WaitTable(app.tasks.keys(), processes)
-    events.count_with(_COUNTERS)
+    table = WaitTable(app.tasks.keys(), processes)
+    # The counters' own hooks write it: one hook per event for both tables.
+    stats.count_waits(app, table)
     return table
 
 
@@ -160,8 +154,8 @@ def worker_report(app: Any) -> dict[str, Any]:
     "reaper_passes": n, "wait_buckets": bounds}``; the first two are empty
     when counting is off.
     """
-    table = _tables.get(app)
-    wait, held = table.snapshot() if table is not None else ({}, {})
+    table = stats.wait_table_for(app)
+    wait, held = table.snapshot() if isinstance(table, WaitTable) else ({}, {})
     with _reaped_guard:
         reaped = dict(_reaped.get(app) or dict.fromkeys(REASONS, 0))
         passes = _passes.get(app, 0)
@@ -172,27 +166,3 @@ def worker_report(app: Any) -> dict[str, Any]:
         "reaper_passes": passes,
         "wait_buckets": list(WAIT_BUCKETS),
     }
-
-
-def _table_of(task: Any) -> WaitTable | None:
-    app = getattr(task, "app", None)
-    return _tables.get(app) if app is not None else None
-
-
-def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
-    table = _table_of(task)
-    if table is None:
-        return
-    if started is None:  # a guard that did not time its run: no wait to tell
-        table.taken(task.name)
-    else:
-        table.observe(task.name, time.monotonic() - started, taken=True)
-
-
-def _on_released(task: Any, owned: bool) -> None:
-    table = _table_of(task)
-    if table is not None:
-        table.ended(task.name)
-
-
-_COUNTERS = events.Counters(acquired=_on_acquired, released=_on_released)

@@ -20,6 +20,7 @@ task's mean and longest wait in seconds.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import mmap
 import os
@@ -34,12 +35,16 @@ from . import events
 __all__ = [
     "COUNTERS",
     "OTHER_TASKS",
+    "WAIT_BUCKETS",
     "WAIT_COUNTERS",
+    "WAIT_TABLE_CELLS",
     "StatsTable",
+    "count_waits",
     "disable",
     "disabled_because",
     "enable",
     "table_for",
+    "wait_table_for",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,22 @@ _ACQUIRED, _SKIPPED, _REQUEUED, _RAISED, _LOST, _RELEASED = range(len(COUNTERS))
 _WAITED, _WAIT_MS, _WAIT_MAX_MS, _LINE_MAX = range(len(COUNTERS), len(COUNTERS) + 4)
 _BY_ACTION = {"skip": _SKIPPED, "requeue": _REQUEUED, "raise": _RAISED}
 _CELL = 8  # bytes: unsigned 64-bit counters
+
+#: Upper bounds (seconds) of the lock wait histogram's buckets; a last one is +Inf.
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BUCKET_CELLS = len(WAIT_BUCKETS) + 1
+_COUNT, _SUM_US, _TAKEN, _ENDED = range(_BUCKET_CELLS, _BUCKET_CELLS + 4)
+#: The cells of a task's row in the metrics' wait table
+#: (:class:`~celery_redlock.celery.metrics.WaitTable`): the hook that counts an
+#: acquisition writes them beside this module's counters.
+WAIT_TABLE_CELLS = (
+    *(f"le_{bound:g}" for bound in WAIT_BUCKETS),
+    "le_inf",
+    "count",
+    "sum_us",
+    "taken",
+    "ended",
+)
 
 
 def _process_index() -> int | None:
@@ -90,6 +111,7 @@ class StatsTable:
         self.counters = tuple(counters)
         self._rows = {name: i for i, name in enumerate(self.tasks)}
         self.slots = max(1, processes) + 1
+        _watch_forks()
         self.started_at = time.time()
         self._width = len(self.tasks) * len(self.counters)
         # mmap(-1, n) is anonymous and MAP_SHARED: forked children write the
@@ -101,8 +123,10 @@ class StatsTable:
         os.register_at_fork(after_in_child=lambda: _reset_if_alive(ref))
 
     def _reset_process(self) -> None:
-        # Threads of one process (threads pool, the watchdog) share its row.
-        self._lock = threading.Lock()
+        # Threads of one process (threads pool, the watchdog) share its row;
+        # every table of the process writes under one lock, so an event's hook
+        # updates them all under one (renewed in a fork's child before this runs).
+        self._lock = _writes
         # Found on first use: right after a fork billiard has not yet told the
         # child which pool process it is.
         self._base: int | None = None
@@ -185,8 +209,35 @@ def _reset_if_alive(ref: weakref.ref[StatsTable]) -> None:
         table._reset_process()
 
 
+# Every counter write of this process is made under this lock: the threads
+# pool runs tasks concurrently, and ``cells[i] += n`` is a read and a write.
+_writes = threading.Lock()
 _tables: weakref.WeakKeyDictionary[Any, StatsTable] = weakref.WeakKeyDictionary()
+_wait_tables: weakref.WeakKeyDictionary[Any, StatsTable] = weakref.WeakKeyDictionary()
 _disabled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# Task -> (counter cells or None, its row's start, wait cells or None, its row's
+# start) in this process: found on a task's first event, so that an event after
+# it costs one dict lookup. Emptied whenever a table is enabled or disabled,
+# and in a fork's child (whose row is another).
+_rows: dict[Any, tuple[Any, int, Any, int]] = {}
+
+
+_forks_watched = False
+
+
+def _after_fork_in_child() -> None:
+    global _writes
+    _writes = threading.Lock()
+    _rows.clear()
+
+
+def _watch_forks() -> None:
+    # Once, on the first table (not at import): registered before any table's
+    # own fork hook, hence run before it in a child, which takes the new lock.
+    global _forks_watched
+    if not _forks_watched:
+        _forks_watched = True
+        os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def table_for(app: Any) -> StatsTable | None:
@@ -202,13 +253,31 @@ def enable(app: Any, processes: int) -> StatsTable:
     """
     _disabled.pop(app, None)
     table = _tables[app] = StatsTable(app.tasks.keys(), processes)
+    _rows.clear()
     events.count_with(_COUNTERS)
     return table
+
+
+def count_waits(app: Any, table: StatsTable) -> None:
+    """Write each acquisition's wait and each hold of ``app``'s tasks to ``table`` too.
+
+    ``table`` has the :data:`WAIT_TABLE_CELLS`; the metrics call this from
+    :func:`celery_redlock.celery.metrics.enable`.
+    """
+    _wait_tables[app] = table
+    _rows.clear()
+    events.count_with(_COUNTERS)
+
+
+def wait_table_for(app: Any) -> StatsTable | None:
+    """Return the table :func:`count_waits` writes ``app``'s waits to, if any."""
+    return _wait_tables.get(app)
 
 
 def disable(app: Any, reason: str) -> None:
     """Stop counting for ``app``'s worker in this process, and remember why."""
     _tables.pop(app, None)
+    _rows.clear()
     _disabled[app] = reason
 
 
@@ -228,16 +297,43 @@ def _count(task: Any, counter: int) -> None:
         table.add(task.name, counter)
 
 
+def _find_rows(task: Any) -> tuple[Any, int, Any, int]:
+    app = getattr(task, "app", None)
+    counts = _tables.get(app) if app is not None else None
+    waits = _wait_tables.get(app) if app is not None else None
+    found = (
+        None if counts is None else counts._cells,
+        0 if counts is None else counts._row_start(task.name),
+        None if waits is None else waits._cells,
+        0 if waits is None else waits._row_start(task.name),
+    )
+    _rows[task] = found
+    return found
+
+
 def _on_acquired(task: Any, started: float | None, waited: float | None) -> None:
-    table = _table_of(task)  # every task passes here: one lookup
-    if table is None:
-        return
-    table.add(task.name, _ACQUIRED)
-    if waited is not None:
-        ms = int(waited * 1000)
-        table.add(task.name, _WAITED)
-        table.add(task.name, _WAIT_MS, ms)
-        table.raise_to(task.name, _WAIT_MAX_MS, ms)
+    # Every task passes here: both tables' cells from one lookup, under one lock.
+    counts, at, waits, wait_at = _rows.get(task) or _find_rows(task)
+    if waits is not None and started is not None:  # None: a guard that did not time its run
+        seconds = time.monotonic() - started
+        # bisect_left: the first bound >= seconds (len(WAIT_BUCKETS), +Inf, past them all).
+        bucket = wait_at + bisect.bisect_left(WAIT_BUCKETS, seconds)
+        wait_us = max(0, round(seconds * 1_000_000))
+    with _writes:
+        if counts is not None:
+            counts[at + _ACQUIRED] += 1
+            if waited is not None:
+                ms = int(waited * 1000)
+                counts[at + _WAITED] += 1
+                counts[at + _WAIT_MS] += ms
+                if counts[at + _WAIT_MAX_MS] < ms:
+                    counts[at + _WAIT_MAX_MS] = ms
+        if waits is not None:
+            if started is not None:
+                waits[bucket] += 1
+                waits[wait_at + _COUNT] += 1
+                waits[wait_at + _SUM_US] += wait_us
+            waits[wait_at + _TAKEN] += 1
 
 
 def _on_contended(task: Any, action: str, line: int | None) -> None:
@@ -251,8 +347,13 @@ def _on_contended(task: Any, action: str, line: int | None) -> None:
 
 
 def _on_released(task: Any, owned: bool) -> None:
-    if owned:  # a lock found lost at release was not released by this task
-        _count(task, _RELEASED)
+    counts, at, waits, wait_at = _rows.get(task) or _find_rows(task)
+    with _writes:
+        # A lock found lost at release was not released by this task, but its hold ended.
+        if owned and counts is not None:
+            counts[at + _RELEASED] += 1
+        if waits is not None:
+            waits[wait_at + _ENDED] += 1
 
 
 def _on_lost(task: Any) -> None:
