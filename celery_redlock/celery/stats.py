@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..core.forks import in_forked_children
 from . import events
 
 __all__ = [
@@ -111,7 +112,9 @@ class StatsTable:
         self.counters = tuple(counters)
         self._rows = {name: i for i, name in enumerate(self.tasks)}
         self.slots = max(1, processes) + 1
-        _watch_forks()
+        # Registered before the first table's own fork hook, hence run before
+        # it in a child: the table takes the child's new lock.
+        in_forked_children(_after_fork_in_child)
         self.started_at = time.time()
         self._width = len(self.tasks) * len(self.counters)
         # mmap(-1, n) is anonymous and MAP_SHARED: forked children write the
@@ -222,22 +225,10 @@ _disabled: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _rows: dict[Any, tuple[Any, int, Any, int]] = {}
 
 
-_forks_watched = False
-
-
 def _after_fork_in_child() -> None:
     global _writes
     _writes = threading.Lock()
     _rows.clear()
-
-
-def _watch_forks() -> None:
-    # Once, on the first table (not at import): registered before any table's
-    # own fork hook, hence run before it in a child, which takes the new lock.
-    global _forks_watched
-    if not _forks_watched:
-        _forks_watched = True
-        os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def table_for(app: Any) -> StatsTable | None:
