@@ -59,8 +59,11 @@ class Reserved:
 #: connections keeps all of them for the application.
 RESERVE_FROM_POOLS_OF = 100
 
-# Weak keys: a reservation goes with its pool.
-_reserved: weakref.WeakKeyDictionary[Any, Reserved] = weakref.WeakKeyDictionary()
+# A weak reference to a pool -> its reservation, which goes with the pool. A
+# WeakKeyDictionary would do, but its get() is a Python call, two per task:
+# a weak reference hashes and compares as its pool does, so one is looked up
+# with weakref.ref(pool), which returns the pool's existing plain reference.
+_reserved: dict[weakref.ref[Any], Reserved] = {}
 
 
 def _forget_reserved() -> None:
@@ -69,10 +72,14 @@ def _forget_reserved() -> None:
     _reserved.clear()
 
 
+def _forget_pool(ref: weakref.ref[Any]) -> None:
+    _reserved.pop(ref, None)
+
+
 def reserved_for(pool: Any) -> Reserved | None:
     """Return the reservation of ``pool`` in this process; ``None`` if it cannot spare one."""
     # Every script call asks: a pool that has its reservation answers first.
-    reserved = _reserved.get(pool)
+    reserved = _reserved.get(weakref.ref(pool))
     if reserved is not None:
         return reserved
     if isinstance(pool, BlockingConnectionPool):
@@ -82,7 +89,7 @@ def reserved_for(pool: Any) -> Reserved | None:
         return None
     # The fork hook comes first, so every reservation has one to forget it.
     in_forked_children(_forget_reserved)
-    return _reserved.setdefault(pool, Reserved())
+    return _reserved.setdefault(weakref.ref(pool, _forget_pool), Reserved())
 
 
 def drop_connections(client: Any) -> None:
@@ -94,7 +101,7 @@ def drop_connections(client: Any) -> None:
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         return
-    reserved = _reserved.get(pool)
+    reserved = _reserved.get(weakref.ref(pool))
     if reserved is not None and reserved.busy.acquire(blocking=False):
         try:
             if reserved.connection is not None:
