@@ -16,7 +16,14 @@ from .window import EnqueueGuard
 
 __all__ = ["guard_for"]
 
-_guards: weakref.WeakKeyDictionary[Any, dict[str | None, TaskGuard]] = weakref.WeakKeyDictionary()
+# A weak reference to a task -> its guards by queue, which go with the task.
+# Looked up with weakref.ref(task) (a reference hashes and compares as its
+# task does), not WeakKeyDictionary.get, a Python call on every task's path.
+_guards: dict[weakref.ref[Any], dict[str | None, TaskGuard]] = {}
+
+
+def _forget_task(ref: weakref.ref[Any]) -> None:
+    _guards.pop(ref, None)
 
 
 def guard_for(
@@ -29,9 +36,9 @@ def guard_for(
         queue: The locked queue the call came from, if any.
         queue_options: That queue's entry of ``redlock_queues``.
     """
-    per_queue = _guards.get(task)
+    per_queue = _guards.get(weakref.ref(task))
     if per_queue is None:
-        per_queue = _guards[task] = {}
+        per_queue = _guards[weakref.ref(task, _forget_task)] = {}
     guard = per_queue.get(queue)
     if guard is None:
         options = resolve(task, task.app.conf, queue, queue_options)
