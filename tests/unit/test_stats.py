@@ -112,3 +112,36 @@ def test_lock_events_land_in_their_counters():
     waits = table.report()["tasks"]["t.one"]
     assert (waits["wait_mean_s"], waits["wait_longest_s"]) == (1.5, 2.5)
     assert stats.table_for(app) is table
+
+
+def test_a_table_enabled_or_disabled_after_a_task_was_counted_is_heeded_from_the_next_event():
+    """The cells a task's events write are found once, and found again when a table comes or goes."""
+    import time
+
+    from celery import Celery
+
+    from celery_redlock.celery import events, metrics, stats
+
+    app = Celery("stats-cache", set_as_current=False)
+
+    @app.task(name="t.cached", shared=False)
+    def cached() -> None:
+        """A task to send lock events for."""
+
+    task = app.tasks["t.cached"]
+
+    def one_run() -> None:
+        events.send_acquired(task, "i", "k", 1, 1.0, None, time.monotonic())
+        events.send_released(task, "i", "k", 1, True)
+
+    table = stats.enable(app, processes=1)
+    one_run()  # its cells are known now, without a wait table
+    waits = metrics.enable(app, processes=1)
+    one_run()
+    assert table.totals()["t.cached"]["acquired"] == 2
+    histogram, held = waits.snapshot()
+    assert histogram["t.cached"]["count"] == 1 and held == {"t.cached": 0}
+    stats.disable(app, "turned off")
+    one_run()
+    assert table.totals()["t.cached"]["acquired"] == 2
+    assert waits.snapshot()[0]["t.cached"]["count"] == 2
