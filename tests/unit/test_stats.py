@@ -115,7 +115,7 @@ def test_lock_events_land_in_their_counters():
 
 
 def test_a_table_enabled_or_disabled_after_a_task_was_counted_is_heeded_from_the_next_event():
-    """The cells a task's events write are found once, and found again when a table comes or goes."""
+    """A task's cells are found once, and again when a table comes or goes."""
     import time
 
     from celery import Celery
