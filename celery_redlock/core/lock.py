@@ -235,9 +235,7 @@ class Lock(LockSettings):
         if self.fencing or self.replication is not None:
             keys = (self.name, self.fence_key)
             if self.replication is None:
-                reply = ACQUIRE(
-                    self.redis, keys, (token, self._ttl_ms, self._fence_retention_ms, "0")
-                )
+                reply = ACQUIRE(self.redis, keys, (token, *self._acquire_argv))
             else:
                 reply = replicated.acquire(
                     self.redis,
@@ -319,7 +317,7 @@ class Lock(LockSettings):
 
     def do_release(self, expected_token: bytes) -> None:
         """Run the compare-and-delete script."""
-        if not RELEASE(self.redis, (self.name,), (expected_token, "0")):
+        if not RELEASE(self.redis, (self.name,), (expected_token, b"0")):
             lease = self.local.lease
             if lease is not None:
                 lease.lost = True

@@ -160,6 +160,9 @@ class LockSettings:
         )
         self._fence_retention_ms = int(fence_retention * 1000)
         self._ttl_ms = int(self.timeout * 1000) if self.timeout is not None else 0
+        # The acquire script's ARGV after the token, as the bytes sent: an int
+        # or str argument costs the packer a conversion on every acquisition.
+        self._acquire_argv = (b"%d" % self._ttl_ms, b"%d" % self._fence_retention_ms, b"0")
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label
