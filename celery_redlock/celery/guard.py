@@ -309,14 +309,15 @@ class TaskGuard(Guard[Any]):
     def _contended(self, key: str, refusal: Refusal, action: str) -> None:
         task, request = self.task, self.task.request
         attempt = requeues_of(request)
-        logger.info(
-            "task %s[%s]: %s holds lock %s; %s",
-            task.name,
-            request.id,
-            refusal.describe(),
-            key,
-            action,
-        )
+        if logger.isEnabledFor(logging.INFO):  # describe() formats; a storm skips thousands
+            logger.info(
+                "task %s[%s]: %s holds lock %s; %s",
+                task.name,
+                request.id,
+                refusal.describe(),
+                key,
+                action,
+            )
         events.send_contended(
             task,
             request.id,

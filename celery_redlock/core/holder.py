@@ -35,6 +35,7 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 __all__ = ["Holder", "Refusal", "queue_of"]
@@ -276,9 +277,13 @@ class Refusal:
         """Build a refusal from a lock's ``(value, ttl)`` report (``None``: nothing known)."""
         return cls(*reported) if reported is not None else cls()
 
-    @property
+    @cached_property
     def holder(self) -> Holder | None:
-        """The parsed holder, or ``None`` when the value is unknown or not this package's."""
+        """The parsed holder, or ``None`` when the value is unknown or not this package's.
+
+        Parsed once: a refusal is read several times while it is decided, logged,
+        counted and recorded (a skipped duplicate read it six times).
+        """
         return Holder.parse(self.value)
 
     @property
