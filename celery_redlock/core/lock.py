@@ -35,6 +35,7 @@ from .lock_options import (
     positive_seconds,
 )
 from .lock_state import LockState, SharedState, ThreadState
+from .lock_wire import packed_acquire, packed_release
 from .queue_scripts import Place
 from .scripts import ACQUIRE, RELEASE, RENEW
 
@@ -235,7 +236,8 @@ class Lock(LockSettings):
         if self.fencing or self.replication is not None:
             keys = (self.name, self.fence_key)
             if self.replication is None:
-                reply = ACQUIRE(self.redis, keys, (token, *self._acquire_argv))
+                packed = packed_acquire(self.name, self.fence_key, token, self._acquire_tail)
+                reply = ACQUIRE(self.redis, keys, (token, *self._acquire_argv), packed=packed)
             else:
                 reply = replicated.acquire(
                     self.redis,
@@ -317,7 +319,8 @@ class Lock(LockSettings):
 
     def do_release(self, expected_token: bytes) -> None:
         """Run the compare-and-delete script."""
-        if not RELEASE(self.redis, (self.name,), (expected_token, b"0")):
+        packed = packed_release(self.name, expected_token)
+        if not RELEASE(self.redis, (self.name,), (expected_token, b"0"), packed=packed):
             lease = self.local.lease
             if lease is not None:
                 lease.lost = True

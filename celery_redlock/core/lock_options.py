@@ -14,6 +14,7 @@ from . import replication as replicated
 from .exceptions import ConfigurationError
 from .fences import fence_key_for, is_cluster
 from .lease import Clock, LostCallback
+from .lua import bulk
 
 __all__ = [
     "DEFAULT_FENCE_RETENTION",
@@ -163,6 +164,8 @@ class LockSettings:
         # The acquire script's ARGV after the token, as the bytes sent: an int
         # or str argument costs the packer a conversion on every acquisition.
         self._acquire_argv = (b"%d" % self._ttl_ms, b"%d" % self._fence_retention_ms, b"0")
+        # The same, packed (see Lock._packed).
+        self._acquire_tail = b"".join(bulk(arg) for arg in self._acquire_argv)
         self.drift_factor = drift_factor
         self._clock = clock
         self.label = label

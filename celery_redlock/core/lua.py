@@ -22,17 +22,27 @@ from redis.utils import HIREDIS_AVAILABLE
 from .reserved import checkout, reserved_for
 from .sockets import exchange, readable
 
-__all__ = ["Arg", "Resend", "Script"]
+__all__ = ["PACKS_STR_AS_UTF8", "Arg", "Resend", "Script", "bulk"]
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None = None
 if HIREDIS_AVAILABLE:
     from hiredis import pack_command as _hiredis_pack
+
+#: Whether a str key or argument is always packed as UTF-8 (hiredis packs), so
+#: that a caller may pack a call itself (see :meth:`Script.head`); without
+#: hiredis the connection's encoder encodes it.
+PACKS_STR_AS_UTF8 = _hiredis_pack is not None
 
 #: One key or argument of a script, as redis-py sends it.
 Arg = Union[str, bytes, int, float]
 #: How a script is sent again after a connection error: given the ARGV of the
 #: first send, the ARGV of the resend, or ``None`` when it must not be resent.
 Resend = Callable[[Sequence[Arg]], Optional[Sequence[Arg]]]
+
+
+def bulk(value: bytes) -> bytes:
+    """``value`` as one RESP bulk string, as a packed command carries it."""
+    return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
 def _resend_as_is(args: Sequence[Arg]) -> Sequence[Arg]:
@@ -101,12 +111,17 @@ class Script:
         keys: Sequence[Arg],
         args: Sequence[Arg],
         then: Sequence[Arg] | None = None,
+        packed: bytes | None = None,
     ) -> Any:
         """Run the script on ``client`` (a redis-py client) and return its reply.
 
         ``then`` is a command (``WAIT``) sent in the same write, right behind
         the script on the same connection; the reply is then the pair of both
         replies. It needs a client with a connection pool.
+
+        ``packed``: the ``EVALSHA`` of ``keys`` and ``args`` exactly as this
+        script packs it, when the caller built it from parts it keeps (see
+        :meth:`head`); a resend or an ``EVAL`` is packed from ``keys`` and ``args``.
 
         Raises:
             redis.exceptions.RedisError: Whatever the server or connection raises,
@@ -132,23 +147,28 @@ class Script:
                 connection = reserved.connection
                 if connection is None:
                     connection = reserved.connection = checkout(pool)
-                return self._exchange(connection, keys, args, then)
+                return self._exchange(connection, keys, args, then, packed)
             finally:
                 reserved.busy.release()
         connection = checkout(pool)
         try:
-            return self._exchange(connection, keys, args, then)
+            return self._exchange(connection, keys, args, then, packed)
         finally:
             pool.release(connection)
 
     def _exchange(
-        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+        self,
+        connection: Any,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        then: Any = None,
+        packed: bytes | None = None,
     ) -> Any:
         try:
             if self.check_connection:
                 _reconnect_if_closed(connection)
             try:
-                return self._run(connection, keys, args, then)
+                return self._run(connection, keys, args, then, packed)
             except RedisConnectionError:
                 # A connection the server closed (a restart, an idle timeout)
                 # fails on first use, often only when the reply is read; like
@@ -173,12 +193,19 @@ class Script:
             raise
 
     def _run(
-        self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Any = None
+        self,
+        connection: Any,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        then: Any = None,
+        packed: bytes | None = None,
     ) -> Any:
         if then is not None:
             return self._run_then(connection, keys, args, then)
+        if packed is None:
+            packed = self._pack(connection, keys, args)
         try:
-            return exchange(connection, self._pack(connection, keys, args))
+            return exchange(connection, packed)
         except NoScriptError:
             connection.send_command("EVAL", self.source, len(keys), *keys, *args)
             return connection.read_response()
@@ -198,11 +225,7 @@ class Script:
         items = (*keys, *args)
         head = self._heads.get((len(keys), len(items)))
         if head is None:
-            numkeys = str(len(keys)).encode()
-            head = self._heads[(len(keys), len(items))] = (
-                b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n"
-                % (len(items) + 3, self.sha.encode(), len(numkeys), numkeys)
-            )
+            head = self._heads[(len(keys), len(items))] = self.head(len(keys), len(items))
         parts = [head]
         encoder = connection.encoder
         for item in items:
@@ -217,6 +240,18 @@ class Script:
                 value = encoder.encode(item)
             parts.append(b"$%d\r\n%s\r\n" % (len(value), value))
         return b"".join(parts)
+
+    def head(self, numkeys: int, items: int) -> bytes:
+        """The packed ``EVALSHA sha numkeys`` that starts a call of ``items`` keys and args.
+
+        A call packed as ``head`` then :func:`bulk` of each key and argument,
+        str as UTF-8 (when :data:`PACKS_STR_AS_UTF8`), is what :meth:`__call__` packs.
+        """
+        return b"*%d\r\n$7\r\nEVALSHA\r\n%b%b" % (
+            items + 3,
+            bulk(self.sha.encode()),
+            bulk(b"%d" % numkeys),
+        )
 
     def _run_then(
         self, connection: Any, keys: Sequence[Arg], args: Sequence[Arg], then: Sequence[Arg]

@@ -56,6 +56,29 @@ def test_script_packing_sends_the_bytes_redis_py_sends():
             raise AssertionError(f"{bad!r} was packed")
 
 
+def test_a_locks_own_packing_sends_the_bytes_its_scripts_send():
+    """A lock's acquire and release packed from kept parts are the bytes the scripts pack."""
+    from celery_redlock.core.lock import Lock
+    from celery_redlock.core.lock_wire import packed_acquire, packed_release
+    from celery_redlock.core.scripts import RELEASE
+
+    connection = redis.Connection()
+    for name, ttl in (("k", 30), ("redlock:v1:{t:ключ}", None), ("", 0.5)):
+        lock = Lock(redis.Redis(), name, timeout=ttl)
+        token = b"v2|" + "é".encode() * 40
+        args = (token, *lock._acquire_argv)
+        packed = packed_acquire(name, lock.fence_key, token, lock._acquire_tail)
+        assert packed == ACQUIRE._pack(connection, (name, lock.fence_key), args)
+        released = packed_release(name, token)
+        assert released == RELEASE._pack(connection, (name,), (token, b"0"))
+        assert packed == b"".join(
+            connection.pack_command("EVALSHA", ACQUIRE.sha, 2, name, lock.fence_key, *args)
+        )
+    # What the kept parts cannot tell as the scripts would, the scripts pack.
+    assert packed_acquire(b"k", "f", b"t", b"") is None
+    assert packed_release("k", "str token") is None
+
+
 def test_positional_calls_key_like_bound_calls():
     """A call with positional arguments only keys like the same call by keyword, as bind keys it."""
 
