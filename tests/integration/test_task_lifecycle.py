@@ -70,7 +70,7 @@ def received(*signals):
     for signal in signals:
 
         def receive(sender=None, _name=signal.name, **kwargs):
-            events.append({**kwargs, "sent_by": _name})
+            events.append({**kwargs, "sent_by": _name, "at": time.monotonic()})
 
         signal.connect(receive, weak=False)
         receivers.append((signal, receive))
@@ -507,8 +507,11 @@ def test_requeue_keeps_id_arguments_queue_priority_and_headers(make_app):
 @pytest.mark.parametrize("fair", [False, True])
 def test_requeues_are_bounded_with_a_clear_final_failure(make_app, fair):
     """When requeues run out the task fails with LockNotAcquired, it does not vanish.
+
     Without the line, after exactly max_requeues requeues; in line (charged by its
-    wait, polling faster), once its wait is what that many requeues take."""
+    wait, polling faster), once its wait is what that many requeues take: never
+    sooner, however many polls a loaded machine fits into that time.
+    """
     app = make_app(
         redlock_on_conflict="requeue",
         redlock_requeue_delay=0.01,
@@ -531,12 +534,16 @@ def test_requeues_are_bounded_with_a_clear_final_failure(make_app, fair):
             second.get(timeout=10)
         finish.set()
         first.get(timeout=10)
-    # Three requeues (in line: at least three polls), then the failure is reported as
-    # what it is.
-    actions = [e["action"] for e in events if e["task_id"] == second.id]
+    # Three requeues (in line: polls for as long as three requeues' backoff, 0.01 +
+    # 0.02 + 0.02 s from its arrival by the server's clock; the worker's events
+    # come a little after each refusal, hence the margin), then the failure is
+    # reported as what it is. tests/integration/celery/test_limits.py shows a
+    # call in line outlasting max_requeues polls on a real worker.
+    mine = [e for e in events if e["task_id"] == second.id]
+    actions = [e["action"] for e in mine]
     if fair:
-        assert actions[-1] == "raise" and actions.count("requeue") >= 3
-        assert set(actions[:-1]) == {"requeue"}
+        assert actions[-1] == "raise" and set(actions[:-1]) == {"requeue"}
+        assert "requeue" in actions and mine[-1]["at"] - mine[0]["at"] >= 0.04
     else:
         assert actions == ["requeue", "requeue", "requeue", "raise"]
 
