@@ -79,19 +79,27 @@ def test_skip_storm_runs_the_first_and_skips_every_duplicate(
     db9: redis.Redis,
     prefix: str,
 ) -> None:
-    """While one call runs, 199 copies of it across all pools are each SKIPPED naming it."""
+    """While one call runs, 199 copies of it across all pools are each SKIPPED naming it.
+
+    Twenty of them carry a ``link``: a skipped copy ends without running it.
+    """
     workers = worker_factory.trio()
     hold = storm_app.tasks["storm.hold"]
+    plain = storm_app.tasks["storm.plain"]
     gate = f"{prefix}:gate"
     args = (7, 0.0, gate)
     first, key = take_lock_first(hold, args, history)
 
-    duplicates = submit(hold, args, STORM - 1)
+    linked = submit(hold, args, 20, link=plain.si("linked", 0.0))
+    duplicates = submit(hold, args, STORM - 21) + linked
     states = wait_for_states(storm_app, duplicates, {SKIPPED}, timeout=60)
     db9.set(gate, 1)
     wait_for_states(storm_app, [first], {"SUCCESS"}, timeout=30)
+    # Sent after every link a skip could have sent: once it has run, they would have.
+    sentinel = plain.apply_async(("sentinel", 0.0)).id
+    wait_for_states(storm_app, [sentinel], {"SUCCESS"}, timeout=30)
 
-    executions = history.executions()
+    executions = [e for e in history.executions() if e.task_id != sentinel]
     assert [e.task_id for e in executions] == [first]
     (execution,) = executions
     assert "gate_timeout" not in execution.extra
