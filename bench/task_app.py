@@ -22,6 +22,13 @@ Tasks, one per contender, each returning its argument:
 ``bench.singleton``
     ``base=celery_singleton.Singleton`` (locks at publish, unlocks on success/failure).
 
+``bench.floor``
+    A plain task whose body makes two library-free round trips to the lock
+    store (a pre-packed ``SET NX PX`` and the ``EVALSHA`` of a compare-and-delete,
+    on a raw socket per thread, replies parsed by hiredis): the least any lock
+    taken and released in the worker with two commands can cost, so the
+    benchmark can tell the lock library's own cost from the round trips'.
+
 plus ``bench.hold``, the ``SingletonTask`` of the duplicate storm: it holds its
 lock until the benchmark sets a stop key on the *broker* Redis, so its waiting
 adds nothing to the lock store's command counts.
@@ -30,7 +37,11 @@ adds nothing to the lock store's command counts.
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 from celery import Celery
@@ -39,7 +50,17 @@ from celery_singleton import Singleton  # type: ignore[import-untyped]
 
 from celery_redlock import SingletonTask
 
-__all__ = ["HOLD_TTL", "app", "hold", "once", "plain", "redlock", "singleton", "stop_key"]
+__all__ = [
+    "HOLD_TTL",
+    "app",
+    "floor",
+    "hold",
+    "once",
+    "plain",
+    "redlock",
+    "singleton",
+    "stop_key",
+]
 
 #: Lock TTL of ``bench.hold``: long enough that no watchdog renewal (at a third
 #: of it) happens during a storm, so the storm's counts hold acquires only.
@@ -71,6 +92,39 @@ app.conf.ONCE = {
 
 _broker_client: redis.Redis | None = None
 
+#: The floor's release: delete the key only if it holds the token.
+FLOOR_RELEASE_LUA = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
+FLOOR_TTL_MS = b"60000"
+
+
+class _RawLockStore(threading.local):
+    """A thread's raw socket to the lock store, for ``bench.floor``: no library in the way."""
+
+    def __init__(self) -> None:
+        import hiredis
+
+        parts = urlsplit(LOCK_URL)
+        self.sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = hiredis.Reader()
+        self.pack = hiredis.pack_command
+        self.sha = self.call(self.pack((b"SCRIPT", b"LOAD", FLOOR_RELEASE_LUA)))
+        self.prefix = f"task_bench:floor:{os.getpid()}:{threading.get_ident()}:".encode()
+
+    def call(self, packed: bytes) -> Any:
+        """Write one packed command and return its reply."""
+        self.sock.sendall(packed)
+        reply = self.reader.gets()
+        while reply is False:
+            self.reader.feed(self.sock.recv(65536))
+            reply = self.reader.gets()
+        return reply
+
+
+_raw_lock_store: _RawLockStore | None = None
+
 
 def stop_key(tag: str) -> str:
     """Return the broker-Redis key whose existence ends ``bench.hold(tag, ...)``."""
@@ -99,6 +153,22 @@ def once(i: int) -> int:
 def singleton(i: int) -> int:
     """Return ``i`` under celery-singleton's publish-time lock."""
     return i
+
+
+@app.task(name="bench.floor")  # type: ignore[untyped-decorator]
+def floor(i: int) -> int:
+    """Return ``i`` between a raw ``SET NX PX`` and a raw compare-and-delete on the lock store."""
+    global _raw_lock_store
+    if _raw_lock_store is None:
+        _raw_lock_store = _RawLockStore()
+    store = _raw_lock_store
+    key = store.prefix + str(i).encode()
+    token = key  # unique per call, which is all a token must be here
+    if store.call(store.pack((b"SET", key, token, b"NX", b"PX", FLOOR_TTL_MS))) != b"OK":
+        raise RuntimeError(f"the floor's uncontended SET NX failed for {key!r}")
+    result = i
+    store.call(store.pack((b"EVALSHA", store.sha, b"1", key, token)))
+    return result
 
 
 @app.task(name="bench.hold", base=SingletonTask, lock_ttl=HOLD_TTL)  # type: ignore[untyped-decorator]

@@ -64,10 +64,13 @@ CONTENDERS: tuple[tuple[str, str], ...] = (
     ("celery_redlock.SingletonTask", "bench.redlock"),
     ("celery-once QueueOnce", "bench.once"),
     ("celery-singleton Singleton", "bench.singleton"),
+    ("floor: plain + 2 raw lock-store round trips", "bench.floor"),
 )
 BASELINE = CONTENDERS[0][0]
 REDLOCK = CONTENDERS[1][0]
 INCUMBENTS = (CONTENDERS[2][0], CONTENDERS[3][0])
+#: A plain task with a library-free SET NX PX and compare-and-delete around its body.
+FLOOR = CONTENDERS[4][0]
 
 #: Commands the harness itself sends to a server; never charged to a contender.
 HARNESS_COMMANDS = frozenset({"config", "info", "monitor", "echo", "ping", "mget"})
@@ -820,7 +823,16 @@ def summarize(report: Report) -> dict[str, Any]:
         }
         for label in INCUMBENTS
     }
+    floor = {
+        "consume": _median([by[FLOOR][i].rate / base[i].rate for i in range(rounds)]),
+        "redlock_over_floor": _median(
+            [by[REDLOCK][i].rate / by[FLOOR][i].rate for i in range(rounds)]
+        ),
+        "worker_cpu": rows[FLOOR]["worker_cpu_us"] - rows[BASELINE]["worker_cpu_us"],
+        "redlock_cpu_over_floor": red["worker_cpu_us"] - rows[FLOOR]["worker_cpu_us"],
+    }
     targets = {
+        "floor": floor,
         "ratio": red["ratio"] >= 0.9,
         "ahead": all(red["rate"] > rows[label]["rate"] for label in INCUMBENTS),
         "ahead_end_to_end": all(
@@ -1002,7 +1014,12 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
             f"worker CPU {versus['worker_cpu']:+,.0f} µs/task, "
             f"total CPU {versus['total_cpu']:+,.0f} µs/task"
         )
+    floor = targets["floor"]
     lines += [
+        f"- the floor (a plain task with 2 library-free lock-store round trips), paired per "
+        f"round: consuming {floor['consume']:.3f}x plain, worker CPU {floor['worker_cpu']:+,.0f} "
+        f"µs/task over plain; SingletonTask consuming {floor['redlock_over_floor']:.3f}x the "
+        f"floor, worker CPU {floor['redlock_cpu_over_floor']:+,.0f} µs/task over it",
         f"- 2 Redis client commands per uncontended task: "
         f"**{'met' if targets['commands'] else 'NOT met'}** "
         f"({red['client_per_task']:g} under MONITOR: {red['client_mix']}; "
