@@ -19,10 +19,12 @@ counted calls, so the dump holds exactly those (after 100 warm-up calls and
 
 Variants: ``plain`` (``bench.plain``), ``task`` (``bench.redlock``, uncontended,
 distinct arguments), ``once`` and ``singleton`` (the incumbents' worker side),
-and ``skip`` (``bench.hold`` whose lock another holder has: acquire refused,
+``skip`` (``bench.hold`` whose lock another holder has: acquire refused,
 ``SKIPPED`` recorded, the run ended as ``celery_redlock.celery.skipping``
-says). ``--old PATH`` also counts ``task`` and ``skip`` for the package at
-PATH (a checkout of another revision), in the same run. Instructions are
+says), and ``floor`` (``bench.floor``: a plain task with two library-free
+round trips to the lock store around its body, the least two commands cost).
+``--old PATH`` also counts ``task`` and ``skip`` for the package at PATH (a
+checkout of another revision), in the same run. Instructions are
 user-space only: the system calls of the round trips are not in them, which
 is why the wall-clock benchmark still decides the throughput targets.
 """
@@ -48,6 +50,7 @@ VARIANTS = {
     "once": "bench.once",
     "singleton": "bench.singleton",
     "skip": "bench.hold",
+    "floor": "bench.floor",
 }
 PROCESS_TIME_SYMBOL = "time_process_time"
 
