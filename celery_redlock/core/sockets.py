@@ -5,12 +5,17 @@ and for :class:`~celery_redlock.core.lua.Script`, whose two calls per task go
 through :func:`exchange`: redis-py's ``send_packed_command()`` and
 ``read_response()`` poll the socket again and keep per-call bookkeeping that
 costs more client CPU than the system calls themselves. Errors are reported
-as redis-py reports them, and a connection these helpers cannot serve as
-redis-py would (RESP3, health checks, another parser) goes through redis-py.
+as redis-py reports them. Only redis-py's own TCP, TLS and Unix socket
+connections, with a hiredis parser and no health checks, are served here
+(:func:`served_directly`); any other connection class goes through redis-py,
+because it may change what a read or a write does: a client-side cache's
+proxy has no socket of its own, and a Sentinel connection turns a
+``READONLY`` reply into a reconnect.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -28,6 +33,7 @@ __all__ = [
     "readable",
     "ready_reply",
     "send",
+    "served_directly",
 ]
 
 #: Most bytes moved from a readable socket into its reader at once.
@@ -40,6 +46,48 @@ _HAS_POLL = hasattr(select, "poll")
 
 #: :func:`ready_reply`'s answer while a reply is still on its way.
 INCOMPLETE = object()
+
+# The connection classes whose reads and writes exchange() reproduces exactly.
+# Subclasses are left out on purpose: they override the reading or writing
+# (a cache proxy, Sentinel's READONLY handling, a user's instrumentation).
+_DIRECT_CLASSES = frozenset(
+    {
+        redis.connection.Connection,
+        redis.connection.SSLConnection,
+        redis.connection.UnixDomainSocketConnection,
+    }
+)
+
+
+def served_directly(conn: Any) -> bool:
+    """Whether :func:`exchange` may talk to ``conn``'s socket itself instead of through redis-py.
+
+    True for a connected redis-py ``Connection``, ``SSLConnection`` or
+    ``UnixDomainSocketConnection`` (not a subclass) with a hiredis reader and
+    no health checks (redis-py pings before a command once their interval
+    has passed).
+    """
+    return (
+        type(conn) in _DIRECT_CLASSES
+        and conn._sock is not None
+        and not conn.health_check_interval
+        and getattr(conn._parser, "_reader", None) is not None
+    )
+
+
+def _talk_error(conn: Any, exc: OSError) -> redis.RedisError:
+    """The error redis-py raises for a failed socket call, after closing ``conn``.
+
+    A socket timeout is a ``TimeoutError``: the server may be hung, so a
+    script is not sent again. ``ETIMEDOUT`` from the kernel (keepalive or
+    ``TCP_USER_TIMEOUT`` declared the peer dead) is a ``ConnectionError``,
+    as redis-py 8 has it: the connection is gone, and a script may be resent
+    on a new one in the way it declares safe.
+    """
+    conn.disconnect()
+    if isinstance(exc, socket.timeout) and exc.errno != errno.ETIMEDOUT:
+        return redis.TimeoutError(f"Timeout talking to {conn._host_error()}")
+    return redis.ConnectionError(f"Error talking to {conn._host_error()}: {exc}")
 
 
 def send(conn: Any, packed: Any) -> int:
@@ -151,13 +199,11 @@ def exchange(conn: Any, packed: bytes) -> Any:
     Raises:
         redis.exceptions.RedisError: As redis-py raises it.
     """
-    # Not for a connection with health checks: redis-py pings before a
-    # command once their interval has passed.
-    parser, sock = conn._parser, conn._sock
-    reader = getattr(parser, "_reader", None)
-    if reader is None or sock is None or conn.health_check_interval:
+    if not served_directly(conn):
         conn.send_packed_command([packed])
         return conn.read_response()
+    parser, sock = conn._parser, conn._sock
+    reader = parser._reader
     buffer = parser._buffer
     try:
         sock.sendall(packed)
@@ -177,12 +223,8 @@ def exchange(conn: Any, packed: bytes) -> Any:
             parser.handle_push_response(reply)
         if isinstance(reply, list) and reply and isinstance(reply[0], redis.ConnectionError):
             raise reply[0]
-    except socket.timeout as exc:
-        conn.disconnect()
-        raise redis.TimeoutError(f"Timeout talking to {conn._host_error()}") from exc
     except OSError as exc:
-        conn.disconnect()
-        raise redis.ConnectionError(f"Error talking to {conn._host_error()}: {exc}") from exc
+        raise _talk_error(conn, exc) from exc
     except BaseException:
         # A reply half read, or a protocol error, leaves the stream unusable.
         conn.disconnect()
@@ -203,16 +245,14 @@ def readable(conn: Any) -> bool:
     Raises:
         OSError: If the socket cannot be polled.
     """
-    sock = conn._sock
-    reader = getattr(conn._parser, "_reader", None)
     # A TLS socket may hold decrypted bytes above the socket: redis-py knows.
-    if (
-        reader is None
-        or type(sock) is not socket.socket
-        or conn.health_check_interval
-        or not _HAS_POLL
-    ):
-        return sock is not None and bool(conn.can_read())
+    if not _HAS_POLL or not served_directly(conn) or type(conn._sock) is not socket.socket:
+        # Not connected: the next send connects it. (A client-side cache's
+        # proxy has no socket of its own and asks the connection it wraps.)
+        if getattr(conn, "_sock", True) is None:
+            return False
+        return bool(conn.can_read())
+    sock, reader = conn._sock, conn._parser._reader
     if reader.has_data():
         return True
     poller = select.poll()

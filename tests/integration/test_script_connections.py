@@ -8,12 +8,17 @@ socket, or if the reserved connection did not recover from a server restart.
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
 
+import pytest
 import redis
 
+from celery_redlock.core.lock import Lock
 from celery_redlock.core.lua import Script
+from celery_redlock.core.reserved import reserved_for
 from tests.redis_servers import RedisServer
 
 # Returns its argument after a server-side busy loop long enough that two
@@ -135,3 +140,92 @@ def test_scripts_run_over_either_protocol(redis_server: RedisServer) -> None:
         else:
             raise AssertionError("an error reply was not raised")
         assert ECHO(client, [], [b"after"]) == b"after"  # the connection is still in step
+
+
+class _CountingConnection(redis.Connection):
+    """A user's connection class that wraps the reading and the writing (instrumentation)."""
+
+    reads = 0
+    writes = 0
+
+    def send_packed_command(self, command, check_health=True):  # type: ignore[no-untyped-def]
+        type(self).writes += 1
+        super().send_packed_command(command, check_health)
+
+    def read_response(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        type(self).reads += 1
+        return super().read_response(*args, **kwargs)
+
+
+def test_a_connection_subclass_is_read_and_written_through_its_own_methods(
+    redis_server: RedisServer,
+) -> None:
+    """Only redis-py's own connection classes are talked to directly; a subclass keeps its say."""
+    pool = redis.ConnectionPool(
+        connection_class=_CountingConnection, host="127.0.0.1", port=redis_server.port
+    )
+    client = redis.Redis(connection_pool=pool)
+    _CountingConnection.reads = _CountingConnection.writes = 0
+    assert _echo_many(client, "sub", 20) == []
+    assert _CountingConnection.writes >= 20 and _CountingConnection.reads >= 20
+    lock = Lock(client, "subclassed", timeout=10)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    assert _CountingConnection.reads >= 22
+
+
+def test_a_lock_works_on_a_client_side_caching_client(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A RESP3 client with a client-side cache hands out proxies without a socket of their own."""
+    cache = pytest.importorskip("redis.cache")
+    proxy = getattr(redis.connection, "CacheProxyConnection", None)
+    if proxy is None:
+        pytest.skip("this redis-py has no client-side caching")
+    # redis-py turns the cache on from Redis 7.4; the tests' server may be older,
+    # and its CLIENT TRACKING (Redis 6) is all the cache needs here.
+    monkeypatch.setattr(proxy, "MIN_ALLOWED_VERSION", "6.0.0")
+    client = redis_server.client(protocol=3, cache_config=cache.CacheConfig())
+    assert client.set("cached", "1") and client.get("cached") == b"1"
+    lock = Lock(client, "csc", timeout=10)
+    assert lock.acquire(blocking=False)
+    assert redis_server.client().get("csc") == lock.token
+    lock.release()
+    assert redis_server.client().get("csc") is None
+
+
+class _DeadPeerSocket:
+    """A socket whose reads fail as the kernel reports a dead peer (keepalive, TCP_USER_TIMEOUT)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def recv_into(self, *args: object) -> int:
+        raise OSError(errno.ETIMEDOUT, "Connection timed out")
+
+    recv = recv_into
+
+
+def test_a_dead_peer_is_a_connection_error_and_the_acquire_is_sent_again(
+    redis_server: RedisServer,
+) -> None:
+    """``ETIMEDOUT`` is not a socket timeout: the acquire goes again on a new connection.
+
+    A timeout is not retried (the server may be hung, see ``Script``), so
+    reading ``ETIMEDOUT`` as one would leave the key set by the first send
+    held by nobody until its TTL.
+    """
+    client = redis_server.client(socket_timeout=5)
+    warm = Lock(client, "warm", timeout=10)
+    assert warm.acquire(blocking=False)
+    warm.release()
+    connection = reserved_for(client.connection_pool).connection  # type: ignore[union-attr]
+    connection._sock = _DeadPeerSocket(connection._sock)
+    lock = Lock(client, "dead-peer", timeout=10)
+    assert lock.acquire(blocking=False)
+    assert redis_server.client().get("dead-peer") == lock.token
+    lock.release()
+    assert redis_server.client().get("dead-peer") is None
