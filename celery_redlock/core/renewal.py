@@ -104,17 +104,37 @@ class Watchdog:
         self._clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def watch(self, lease: Lease) -> None:
-        """Renew ``lease`` until it is released or lost."""
+        """Renew ``lease`` until it is released or lost.
+
+        Raises:
+            ValueError: If the lease has no TTL.
+            RuntimeError: If the renewal thread cannot be started (a thread
+                limit); the lease is then not watched, and the next call
+                tries to start the thread again.
+        """
         if lease.ttl is None:
             raise ValueError(f"lock {lease.name} has no TTL to renew")
         with self._lock:
-            heapq.heappush(self._heap, (self._clock() + lease.ttl / 3, next(self._seq), lease))
+            entry = (self._clock() + lease.ttl / 3, next(self._seq), lease)
+            heapq.heappush(self._heap, entry)
             if self._thread is None or self._thread_ended:
-                self._thread_ended = False
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name="celery-redlock-watchdog", daemon=True
                 )
-                self._thread.start()
+                # Before start(): a thread that dies at once sets it again.
+                self._thread_ended = False
+                try:
+                    thread.start()
+                except BaseException:
+                    # After a failed start (a thread limit reached) the next
+                    # watch() tries again, instead of leaving every later
+                    # lease to a thread that never ran. This lease was not
+                    # taken on: its acquire fails.
+                    self._thread = None
+                    self._heap.remove(entry)
+                    heapq.heapify(self._heap)
+                    raise
+                self._thread = thread
             elif self._heap[0][2] is lease:
                 # Only a lease due before everything else changes when the
                 # thread must wake; waking it for every task costs a context

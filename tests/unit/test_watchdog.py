@@ -229,3 +229,31 @@ def test_a_watchdog_whose_thread_ended_starts_another(client, clock) -> None:
             break
         second.join(timeout=0.01)
     assert passes[:2] == ["fatal", "second"]
+
+
+def test_a_failed_thread_start_is_tried_again_by_the_next_watch(client, clock, monkeypatch):
+    """A start that fails (a thread limit) leaves no thread behind that the next watch() trusts.
+
+    Otherwise every later lease would wait for renewals from a thread that
+    never ran, and expire at its TTL while its holder still runs.
+    """
+    import threading
+
+    dog = Watchdog(clock=clock)
+    dog.renew_due = lambda: None  # type: ignore[method-assign]
+    real_start = threading.Thread.start
+    failures = [RuntimeError("can't start new thread")]
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "celery-redlock-watchdog" and failures:
+            raise failures.pop()
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    first = lease(client, clock, "first")
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        dog.watch(first)
+    assert dog.watched() == 0  # the failed watch took nothing on
+    dog.watch(lease(client, clock, "second"))
+    assert dog._thread is not None and dog._thread.is_alive()
+    assert dog.watched() == 1
