@@ -267,12 +267,12 @@ def _sentinel_client(spec: StoreSpec, timeouts: Mapping[str, float]) -> Any:
     sentinel_kwargs = dict(spec.options.get("sentinel_kwargs") or {})
     for option, seconds in timeouts.items():
         sentinel_kwargs.setdefault(option, seconds)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8.2
         sentinels,
         min_other_sentinels=spec.options.get("min_other_sentinels", 0),
         sentinel_kwargs=sentinel_kwargs,
     )
-    return sentinel.master_for(spec.options["master_name"], **master)  # type: ignore[no-untyped-call]
+    return sentinel.master_for(spec.options["master_name"], **master)  # type: ignore[no-untyped-call, unused-ignore]
 
 
 _stores: weakref.WeakKeyDictionary[Any, LockStore] = weakref.WeakKeyDictionary()
