@@ -1,7 +1,8 @@
 """``extend()`` and ``reacquire()`` of the asyncio lock: one renew round trip each.
 
 :class:`ExtendableLock` sits between :class:`~celery_redlock.asyncio.task_state.PerTaskLock`
-and :class:`~celery_redlock.asyncio.lock.Lock`; a Redlock replaces
+and :class:`~celery_redlock.asyncio.release.ReleasableLock`, the base of the
+asyncio ``Lock`` and ``Semaphore``; a Redlock replaces
 :meth:`ExtendableLock._send_renew` with its quorum vote.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, Literal
 
-from celery_redlock.core.exceptions import LockError, LockNotOwned
+from celery_redlock.core.hold import LOCK, check_renewable
 from celery_redlock.core.lease import Lease
 from celery_redlock.core.lock_options import Number, positive_seconds
 from celery_redlock.core.scripts import RENEW
@@ -40,10 +41,7 @@ class ExtendableLock(PerTaskLock):
         self, state: TaskState | None, additional_time: Number, replace_ttl: bool
     ) -> Literal[True]:
         state = state or self._state()
-        if state.token is None:
-            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
+        check_renewable(self.name, state.token, self.timeout, "extend")
         positive_seconds("additional_time", additional_time, allow_none=False)
         await self._renew(state, int(additional_time * 1000), replace_ttl, "extend")
         return True
@@ -59,10 +57,7 @@ class ExtendableLock(PerTaskLock):
 
     async def _reacquire(self, state: TaskState | None) -> Literal[True]:
         state = state or self._state()
-        if state.token is None:
-            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        check_renewable(self.name, state.token, self.timeout, "reacquire")
         await self._renew(state, self._ttl_ms, True, "reacquire")
         return True
 
@@ -72,10 +67,8 @@ class ExtendableLock(PerTaskLock):
         sent_at = self._clock()
         pttl_ms = await self._send_renew(lease, ms, replace)
         if not pttl_ms:
-            lease.mark_lost(f"not owned at {operation}")
-            raise LockNotOwned(
-                f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
-            )
+            # The lock's words, for the semaphore too: its extend() has always said so.
+            raise LOCK.lost(lease, operation, self.name)
         lease.validate_until(sent_at, pttl_ms / 1000)
 
     async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:

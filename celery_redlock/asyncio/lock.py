@@ -24,20 +24,15 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Coroutine
-from types import TracebackType
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError
-
-from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
+from celery_redlock.core.exceptions import LockError
+from celery_redlock.core.hold import lock_not_acquired
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
-from celery_redlock.core.lock_options import (
-    DEFAULT_FENCE_RETENTION,
-    Number,
-)
+from celery_redlock.core.lock_options import DEFAULT_FENCE_RETENTION, Number
 from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
-from .extension import ExtendableLock
+from .release import ReleasableLock, granted
 from .renewal import Renewer, keep_alive, renew_on
 from .scripts import InFlight, run_script
 from .shielding import cancel_requests, detach, settle
@@ -50,7 +45,7 @@ logger = logging.getLogger(__name__)
 _LockT = TypeVar("_LockT", bound="Lock")
 
 
-class Lock(ExtendableLock):
+class Lock(ReleasableLock):
     """A distributed lock on one Redis server for ``redis.asyncio`` clients.
 
     Compatible with ``redis.asyncio.lock.Lock`` (``client.lock(name,
@@ -82,6 +77,8 @@ class Lock(ExtendableLock):
     Raises:
         ConfigurationError: If an argument is out of range, naming it.
     """
+
+    _logger = logger
 
     def __init__(
         self,
@@ -132,26 +129,7 @@ class Lock(ExtendableLock):
 
     def _not_acquired(self, state: TaskState) -> LockError:
         """Build the error an ``async with`` block raises when the lock could not be taken."""
-        holder, holder_ttl = state.holder or (None, None)
-        return LockNotAcquired(
-            "Unable to acquire lock within the time specified",
-            lock_name=self.name,
-            holder=holder,
-            holder_ttl=holder_ttl,
-        )
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            await self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
-            logger.warning("lock %s was lost before the async with block ended", self.name)
+        return lock_not_acquired(self.name, state.holder)
 
     def acquire(
         self,
@@ -234,7 +212,7 @@ class Lock(ExtendableLock):
                 acquired, reply = await self._send_acquire(token)
             except InFlight as flight:
                 # Cancelled with the acquire in flight: learn what it took, give it back.
-                await self._give_back(detach(flight.finish), token, _granted)
+                await self._give_back(detach(flight.finish), token, granted)
                 raise asyncio.CancelledError() from None
             if cancel_requests() > asked:
                 # redis-py swallows a cancellation that comes while it connects,
@@ -308,25 +286,12 @@ class Lock(ExtendableLock):
         return self.fencing
 
     async def _give_back(
-        self, outcome: asyncio.Future[Any], token: bytes, granted: Callable[[Any], bool]
+        self, outcome: asyncio.Future[Any], token: bytes, took: Callable[[Any], bool]
     ) -> None:
         """Wait (through cancellations) for a cancelled acquire's outcome; undo a grant."""
         await settle(outcome)
-        if not outcome.cancelled() and outcome.exception() is None and granted(outcome.result()):
+        if not outcome.cancelled() and outcome.exception() is None and took(outcome.result()):
             await settle(detach(self._undo(token)))
-
-    async def _undo(self, token: bytes) -> None:
-        """Give back what an acquisition cancelled mid-flight may have taken."""
-        try:
-            await self._send_release(token)
-        except RedisError as exc:
-            logger.warning(
-                "lock %s taken by a cancelled acquire could not be released (%r); "
-                "it expires within %ss",
-                self.name,
-                exc,
-                self.timeout,
-            )
 
     async def locked(self) -> bool:
         """Return ``True`` if anyone holds the lock (one ``GET``)."""
@@ -357,62 +322,6 @@ class Lock(ExtendableLock):
         """
         return self._release(self._bound())
 
-    async def _release(self, state: TaskState | None) -> None:
-        if state is None:
-            state = self._state()
-        token = state.token
-        if token is None:
-            raise LockError(
-                "Cannot release a lock that's not owned or is already unlocked.",
-                lock_name=self.name,
-            )
-        state.token = None
-        lease = state.lease
-        if lease is not None:
-            # Flag first, so a renewal racing with the delete reports no loss.
-            lease.released = True
-            lease.on_lost = None
-        if state.renewal is not None:
-            state.renewal.cancel()
-            state.renewal = None
-        failure: BaseException | None = None
-        if self._inline:
-            asked = cancel_requests()
-            try:
-                owned = bool(await self._send_release(token))
-                # A cancellation redis-py swallowed while connecting still counts.
-                cancelled = cancel_requests() > asked
-            except (InFlight, asyncio.CancelledError) as stopped:
-                # Cancelled: the release finishes first, from where it was (in
-                # flight), or whole (not sent yet).
-                deletion = detach(
-                    stopped.finish
-                    if isinstance(stopped, InFlight)
-                    else run_script(RELEASE, self.redis, (self.name,), (token, "0"))
-                )
-                await settle(deletion)
-                cancelled = True
-                if deletion.cancelled():  # the loop is shutting down under us
-                    raise asyncio.CancelledError() from None
-                failure = deletion.exception()
-                owned = failure is None and _granted(deletion.result())
-        else:
-            deletion = detach(self._send_release(token))
-            cancelled = await settle(deletion)
-            if deletion.cancelled():  # the loop is shutting down under us
-                raise asyncio.CancelledError()
-            failure = deletion.exception()
-            owned = failure is None and bool(deletion.result())
-        if failure is None and not owned and lease is not None:
-            lease.lost = True
-            lease.loss_reason = "not owned at release"
-        if cancelled:
-            raise asyncio.CancelledError()
-        if failure is not None:
-            raise failure
-        if not owned:
-            raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
-
     async def _send_release(self, token: bytes) -> bool:
         """One release round trip: ``True`` if the lock held ``token`` and is deleted."""
         reply = await run_script(
@@ -420,14 +329,8 @@ class Lock(ExtendableLock):
         )
         return bool(reply)
 
+    def _send_release_whole(self, token: bytes) -> Coroutine[Any, Any, Any]:
+        return run_script(RELEASE, self.redis, (self.name,), (token, "0"))
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"
-
-
-def _granted(reply: Any) -> bool:
-    """Whether a script's reply read after a cancellation says it took (or deleted) the key.
-
-    ACQUIRE answers a fence (an integer) when it took the lock and a table
-    when it did not; RELEASE answers 1 when it deleted the key.
-    """
-    return isinstance(reply, int) and reply > 0

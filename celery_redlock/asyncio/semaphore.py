@@ -15,31 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Coroutine
-from types import TracebackType
 from typing import Any, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_redlock.core.exceptions import LockError, LockNotAcquired, LockNotOwned
-from celery_redlock.core.fences import is_cluster
-from celery_redlock.core.holder import Holder, Refusal
+from celery_redlock.core.hold import PERMIT
+from celery_redlock.core.holder import Refusal
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
-from celery_redlock.core.lock_options import DEFAULT_FENCE_RETENTION, Number, positive_seconds
-from celery_redlock.core.permit import WAIT_SLACK, PermitLease, check_limit
+from celery_redlock.core.lock_options import DEFAULT_FENCE_RETENTION, Number
+from celery_redlock.core.permit import PermitLease
 from celery_redlock.core.semaphore_scripts import (
     ACQUIRE_PERMIT,
     COUNT_PERMITS,
     LEAVE_WAIT_LIST,
     RELEASE_PERMIT,
     RENEW_PERMITS,
-    semaphore_keys,
 )
+from celery_redlock.core.semaphore_settings import SemaphoreSettings
 
-from .extension import ExtendableLock
+from .release import ReleasableLock
 from .renewal import keep_alive, renew_on
 from .scripts import run_script
 from .shielding import detach, settle
@@ -52,7 +49,7 @@ logger = logging.getLogger(__name__)
 _SemaphoreT = TypeVar("_SemaphoreT", bound="Semaphore")
 
 
-class Semaphore(ExtendableLock):
+class Semaphore(ReleasableLock, SemaphoreSettings):
     """Up to ``limit`` holders of ``name`` at once, for ``redis.asyncio`` clients.
 
     Takes the arguments of :class:`celery_redlock.Semaphore` (without
@@ -61,6 +58,9 @@ class Semaphore(ExtendableLock):
     Raises:
         ConfigurationError: If an argument is out of range, naming it.
     """
+
+    _wording = PERMIT
+    _logger = logger
 
     def __init__(
         self,
@@ -81,8 +81,7 @@ class Semaphore(ExtendableLock):
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.limit = check_limit("limit", limit)
-        positive_seconds("timeout", timeout, allow_none=False)
+        self._check_limit(limit, timeout)
         self._configure(
             redis,
             name,
@@ -102,34 +101,12 @@ class Semaphore(ExtendableLock):
             label=label,
         )
         self._keep_state_per_task()
-        self.keys = keys = semaphore_keys(name, cluster=is_cluster(redis))
-        self._acquire_keys = (keys.permits, keys.fence, keys.waiters, keys.waiting)
-        self._release_keys = (keys.permits, keys.waiters, keys.wake)
-        self._blpop = True
+        self._name_keys()
 
     async def __aenter__(self: _SemaphoreT) -> _SemaphoreT:
         if await self.acquire():
             return self
-        refusal = self.refusal
-        raise LockNotAcquired(
-            f"Unable to acquire a permit of {self.name} within the time specified",
-            lock_name=self.name,
-            holder=refusal.value,
-            holder_ttl=refusal.ttl,
-        )
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            await self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
-            logger.warning("permit of %s was lost before the async with block ended", self.name)
+        raise self._no_permit(self.refusal)
 
     def acquire(
         self,
@@ -158,16 +135,9 @@ class Semaphore(ExtendableLock):
         token: str | bytes | None,
     ) -> bool:
         state = state or self._state()
-        pause = float(self.sleep if sleep is None else sleep)
-        blocking = self.blocking if blocking is None else blocking
-        if blocking_timeout is None:
-            blocking_timeout = self.blocking_timeout
-        if token is None:
-            encoded, owner = secrets.token_hex(16).encode(), ""
-        else:
-            encoded = self._encode(token)
-            owner = Holder.owner_field(encoded)
-        wait_ms = int((2 * pause + WAIT_SLACK) * 1000) if blocking else 0
+        pause, blocking, blocking_timeout, encoded, owner, wait_ms = self._acquire_plan(
+            sleep, blocking, blocking_timeout, token
+        )
         # The wait is measured on the loop's clock, as asyncio.sleep measures it.
         now = asyncio.get_running_loop().time
         stop_at = None if blocking_timeout is None else now() + blocking_timeout
@@ -197,10 +167,6 @@ class Semaphore(ExtendableLock):
         keys = (self.keys.waiters, self.keys.waiting)
         return detach(run_script(LEAVE_WAIT_LIST, self.redis, keys, (token,)))
 
-    def _encode(self, token: str | bytes) -> bytes:
-        encoded: bytes = self.redis.get_encoder().encode(token)
-        return encoded
-
     async def _wait(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a release to push to the wake list."""
         if seconds <= 0:
@@ -225,7 +191,7 @@ class Semaphore(ExtendableLock):
             if not attempt.cancelled() and attempt.exception() is None:
                 reply = attempt.result()
                 if reply[0] == 1:
-                    await settle(detach(self._give_back(self._member(reply[3]))))
+                    await settle(detach(self._undo(self._member(reply[3]))))
             raise asyncio.CancelledError()
         reply = attempt.result()
         if reply[0] != 1:
@@ -238,41 +204,11 @@ class Semaphore(ExtendableLock):
                 int(waiting),
             )
             return False
-        _, fence, slot, member = reply
-        member = self._member(member)
+        lease = self._permit(reply, sent_at)
         state.refusal = None
-        state.token = member
-        state.lease = PermitLease(
-            slot=int(slot),
-            permits_key=self.keys.permits,
-            client=self.redis,
-            name=self.name,
-            token=member,
-            fence=int(fence),
-            ttl=self.timeout,
-            sent_at=sent_at,
-            clock=self._clock,
-            drift_factor=self.drift_factor,
-            on_lost=self.on_lost,
-            owner=self,
-            label=self.label,
-        )
+        state.token = lease.token
+        state.lease = lease
         return True
-
-    def _member(self, member: str | bytes) -> bytes:
-        return self._encode(member) if isinstance(member, str) else member
-
-    async def _give_back(self, member: bytes) -> None:
-        try:
-            await self._send_release(member)
-        except RedisError as exc:
-            logger.warning(
-                "permit of %s taken by a cancelled acquire could not be released (%r); "
-                "it expires within %ss",
-                self.name,
-                exc,
-                self.timeout,
-            )
 
     async def _send_release(self, member: bytes) -> bool:
         args = (member, "0", self._ttl_ms, self.limit)
@@ -288,35 +224,6 @@ class Semaphore(ExtendableLock):
             LockNotOwned: If the permit expired and was reclaimed meanwhile.
         """
         return self._release(self._bound())
-
-    async def _release(self, state: TaskState | None) -> None:
-        state = state or self._state()
-        token = state.token
-        if token is None:
-            raise LockError("Cannot release a permit that's not held.", lock_name=self.name)
-        state.token = None
-        lease = state.lease
-        if lease is not None:
-            lease.released = True
-            lease.on_lost = None
-        if state.renewal is not None:
-            state.renewal.cancel()
-            state.renewal = None
-        deletion = detach(self._send_release(token))
-        cancelled = await settle(deletion)
-        if deletion.cancelled():  # the loop is shutting down under us
-            raise asyncio.CancelledError()
-        failure = deletion.exception()
-        owned = failure is None and bool(deletion.result())
-        if failure is None and not owned and lease is not None:
-            lease.lost = True
-            lease.loss_reason = "not held at release"
-        if cancelled:
-            raise asyncio.CancelledError()
-        if failure is not None:
-            raise failure
-        if not owned:
-            raise LockNotOwned("Cannot release a permit that's no longer held", lock_name=self.name)
 
     async def _send_renew(self, lease: Lease, ms: int, replace: bool) -> int:
         """One renew round trip: the permit's new time left in ms, or 0 if not held."""
@@ -345,6 +252,3 @@ class Semaphore(ExtendableLock):
         if isinstance(lease, PermitLease) and state.token is not None:
             return lease.slot
         return None
-
-    def __repr__(self) -> str:
-        return f"<Semaphore {self.name!r} limit={self.limit} timeout={self.timeout}>"

@@ -19,22 +19,15 @@ import logging
 import secrets
 import time
 from dataclasses import replace
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import replication as replicated
-from .exceptions import LockError, LockNotAcquired, LockNotOwned
+from .exceptions import LockError
+from .hold import LOCK, PerThreadLock, check_renewable, lock_not_acquired
 from .holder import Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
 from .line import attempt_in_line
-from .lock_options import (
-    DEFAULT_FENCE_RETENTION,
-    LockSettings,
-    Number,
-    fence_key_for,
-    positive_seconds,
-)
-from .lock_state import LockState, SharedState, ThreadState
+from .lock_options import DEFAULT_FENCE_RETENTION, Number, fence_key_for, positive_seconds
 from .lock_wire import packed_acquire, packed_release
 from .queue_scripts import Place
 from .scripts import ACQUIRE, RELEASE, RENEW
@@ -52,7 +45,7 @@ _LockT = TypeVar("_LockT", bound="Lock")
 _LeaseT = TypeVar("_LeaseT", bound=Lease)
 
 
-class Lock(LockSettings):
+class Lock(PerThreadLock):
     """A distributed lock on one Redis server, compatible with ``redis.lock.Lock``.
 
     Args:
@@ -90,6 +83,8 @@ class Lock(LockSettings):
     Raises:
         ConfigurationError: If an argument is out of range, naming it.
     """
+
+    _logger = logger
 
     def __init__(
         self,
@@ -135,11 +130,7 @@ class Lock(LockSettings):
             replica_timeout=replica_timeout,
         )
         self._watchdog = watchdog
-        self.local: LockState
         self._fresh_state()
-
-    def _fresh_state(self) -> None:
-        self.local = ThreadState() if self.thread_local else SharedState()
 
     # -- redis-py compatible API ------------------------------------------------
 
@@ -150,26 +141,7 @@ class Lock(LockSettings):
 
     def _not_acquired(self) -> LockError:
         """Build the error a ``with`` block raises when the lock could not be taken."""
-        holder, holder_ttl = self.local.holder or (None, None)
-        return LockNotAcquired(
-            "Unable to acquire lock within the time specified",
-            lock_name=self.name,
-            holder=holder,
-            holder_ttl=holder_ttl,
-        )
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
-            logger.warning("lock %s was lost before the with block ended", self.name)
+        return lock_not_acquired(self.name, self.local.holder)
 
     def acquire(
         self,
@@ -294,38 +266,11 @@ class Lock(LockSettings):
             stored = self.redis.get_encoder().encode(stored)
         return bool(stored == token)
 
-    def release(self) -> None:
-        """Release the lock if this thread's token still holds it.
-
-        Raises:
-            LockError: If this thread does not hold the lock.
-            LockNotOwned: If the lock expired or was taken over meanwhile; the
-                current holder's key is left untouched.
-        """
-        local = self.local
-        token = local.token
-        if token is None:
-            message = "Cannot release a lock that's not owned or is already unlocked."
-            raise LockError(message, lock_name=self.name)
-        local.token = None
-        lease = local.lease
-        if lease is not None:
-            # Flag first: a watchdog renewal racing with the delete must not
-            # report the lock lost. Drop the callback: the watchdog may hold
-            # the lease until its next due time, the callback's closure need not.
-            lease.released = True
-            lease.on_lost = None
-        self.do_release(token)
-
     def do_release(self, expected_token: bytes) -> None:
         """Run the compare-and-delete script."""
         packed = packed_release(self.name, expected_token)
         if not RELEASE(self.redis, (self.name,), (expected_token, b"0"), packed=packed):
-            lease = self.local.lease
-            if lease is not None:
-                lease.lost = True
-                lease.loss_reason = "not owned at release"
-            raise LockNotOwned("Cannot release a lock that's no longer owned", lock_name=self.name)
+            raise LOCK.lost_at_release(self.local.lease, self.name)
 
     def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
         """Add ``additional_time`` seconds to the TTL left, or set the TTL to it.
@@ -335,10 +280,7 @@ class Lock(LockSettings):
             ConfigurationError: If ``additional_time`` is not positive.
             LockNotOwned: If the lock was lost meanwhile.
         """
-        if self.local.token is None:
-            raise LockError("Cannot extend an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot extend a lock with no timeout", lock_name=self.name)
+        check_renewable(self.name, self.local.token, self.timeout, "extend")
         positive_seconds("additional_time", additional_time, allow_none=False)
         return self.do_extend(additional_time, replace_ttl)
 
@@ -354,10 +296,7 @@ class Lock(LockSettings):
             LockError: If this thread does not hold the lock, or it has no timeout.
             LockNotOwned: If the lock was lost meanwhile.
         """
-        if self.local.token is None:
-            raise LockError("Cannot reacquire an unlocked lock", lock_name=self.name)
-        if self.timeout is None:
-            raise LockError("Cannot reacquire a lock with no timeout", lock_name=self.name)
+        check_renewable(self.name, self.local.token, self.timeout, "reacquire")
         return self.do_reacquire()
 
     def do_reacquire(self) -> Literal[True]:
@@ -415,20 +354,7 @@ class Lock(LockSettings):
             return 0.0
         return lease.remaining()
 
-    @property
-    def watchdog(self) -> Watchdog:
-        """The watchdog that renews this lock when ``auto_renew`` is set."""
-        if self._watchdog is None:
-            from .renewal import default_watchdog
-
-            self._watchdog = default_watchdog()
-        return self._watchdog
-
-    def _renew(self, ms: int, replace: bool, operation: str) -> None:
-        lease = self.local.lease
-        token = self.local.token
-        assert lease is not None and token is not None
-        sent_at = self._clock()
+    def _send_renew(self, token: bytes, ms: int, replace: bool) -> int:
         args = ("1" if replace else "0", token, ms)
         if self.replication is None:
             (pttl_ms,) = RENEW(self.redis, (self.name,), args)
@@ -436,12 +362,7 @@ class Lock(LockSettings):
             (pttl_ms,) = replicated.renew(
                 self.redis, (self.name,), args, self.replication, self.label
             )
-        if not pttl_ms:
-            lease.mark_lost(f"not owned at {operation}")
-            raise LockNotOwned(
-                f"Cannot {operation} a lock that's no longer owned", lock_name=self.name
-            )
-        lease.validate_until(sent_at, pttl_ms / 1000)
+        return int(pttl_ms)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} timeout={self.timeout}>"

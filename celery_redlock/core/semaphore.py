@@ -15,29 +15,21 @@ Round trips: acquire 1, release 1, extend 1, reacquire 1.
 from __future__ import annotations
 
 import logging
-import secrets
-import threading
 import time
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .exceptions import LockError, LockNotAcquired, LockNotOwned
-from .fences import is_cluster
-from .holder import Holder, Refusal
+from .exceptions import LockError
+from .hold import PERMIT, PerThreadLock
+from .holder import Refusal
 from .lease import DEFAULT_DRIFT_FACTOR, Clock, LostCallback
-from .lock_options import DEFAULT_FENCE_RETENTION, LockSettings, Number, positive_seconds
-from .permit import WAIT_SLACK, PermitLease, check_limit
+from .lock_options import DEFAULT_FENCE_RETENTION, Number, positive_seconds
+from .permit import PermitLease
 from .queue_scripts import LEAVE_LINE, Place, queue_keys
-from .semaphore_scripts import (
-    ACQUIRE_PERMIT,
-    COUNT_PERMITS,
-    RELEASE_PERMIT,
-    RENEW_PERMITS,
-    semaphore_keys,
-)
+from .semaphore_scripts import ACQUIRE_PERMIT, COUNT_PERMITS, RELEASE_PERMIT, RENEW_PERMITS
+from .semaphore_settings import SemaphoreSettings
 
 if TYPE_CHECKING:
     from .renewal import Watchdog
@@ -49,21 +41,7 @@ logger = logging.getLogger(__name__)
 _SemaphoreT = TypeVar("_SemaphoreT", bound="Semaphore")
 
 
-class _ThreadState(threading.local):
-    # Class attributes are the per-thread defaults of a threading.local subclass.
-    token: bytes | None = None
-    lease: PermitLease | None = None
-    refusal: Refusal | None = None
-
-
-class _SharedState:
-    def __init__(self) -> None:
-        self.token: bytes | None = None
-        self.lease: PermitLease | None = None
-        self.refusal: Refusal | None = None
-
-
-class Semaphore(LockSettings):
+class Semaphore(SemaphoreSettings, PerThreadLock):
     """Up to ``limit`` holders of ``name`` at once, each with its own permit, lease and fence.
 
     The interface is :class:`~celery_redlock.Lock`'s: ``acquire``, ``release``,
@@ -97,6 +75,9 @@ class Semaphore(LockSettings):
         ConfigurationError: If an argument is out of range, naming it.
     """
 
+    _wording = PERMIT
+    _logger = logger
+
     def __init__(
         self,
         redis: Any,
@@ -117,8 +98,7 @@ class Semaphore(LockSettings):
         clock: Clock = time.monotonic,
         label: str | None = None,
     ) -> None:
-        self.limit = check_limit("limit", limit)
-        positive_seconds("timeout", timeout, allow_none=False)
+        self._check_limit(limit, timeout)
         self._configure(
             redis,
             name,
@@ -137,38 +117,14 @@ class Semaphore(LockSettings):
             clock=clock,
             label=label,
         )
-        self.keys = keys = semaphore_keys(name, cluster=is_cluster(redis))
-        self._acquire_keys = (keys.permits, keys.fence, keys.waiters, keys.waiting)
-        self._release_keys = (keys.permits, keys.waiters, keys.wake)
+        self._name_keys()
         self._watchdog = watchdog
-        self._blpop = True
-        self.local: _ThreadState | _SharedState = (
-            _ThreadState() if self.thread_local else _SharedState()
-        )
+        self._fresh_state()
 
     def __enter__(self: _SemaphoreT) -> _SemaphoreT:
         if self.acquire():
             return self
-        refusal = self.refusal
-        raise LockNotAcquired(
-            f"Unable to acquire a permit of {self.name} within the time specified",
-            lock_name=self.name,
-            holder=refusal.value,
-            holder_ttl=refusal.ttl,
-        )
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            self.release()
-        except LockError:
-            if self.raise_on_release_error:
-                raise
-            logger.warning("permit of %s was lost before the with block ended", self.name)
+        raise self._no_permit(self.refusal)
 
     def acquire(
         self,
@@ -197,16 +153,9 @@ class Semaphore(LockSettings):
         Raises:
             redis.exceptions.RedisError: If Redis cannot be reached.
         """
-        sleep = float(self.sleep if sleep is None else sleep)
-        blocking = self.blocking if blocking is None else blocking
-        if blocking_timeout is None:
-            blocking_timeout = self.blocking_timeout
-        if token is None:
-            encoded, owner = secrets.token_hex(16).encode(), ""
-        else:
-            encoded = self._encode(token)
-            owner = Holder.owner_field(encoded)
-        wait_ms = int((2 * sleep + WAIT_SLACK) * 1000) if blocking else 0
+        pause, blocking, blocking_timeout, encoded, owner, wait_ms = self._acquire_plan(
+            sleep, blocking, blocking_timeout, token
+        )
         if place is not None:
             wait_ms = max(wait_ms, place.far_ms)
         stop_at = None if blocking_timeout is None else self._clock() + blocking_timeout
@@ -218,7 +167,7 @@ class Semaphore(LockSettings):
                 return True
             if not blocking:
                 return False
-            wait = sleep
+            wait = pause
             if stop_at is not None:
                 left = stop_at - self._clock()
                 if left <= 0:
@@ -227,10 +176,6 @@ class Semaphore(LockSettings):
                     return False
                 wait = min(wait, left)
             self._wait(wait)
-
-    def _encode(self, token: str | bytes) -> bytes:
-        encoded: bytes = self.redis.get_encoder().encode(token)
-        return encoded
 
     def _wait(self, seconds: float) -> None:
         """Wait up to ``seconds`` for a release to push to the wake list."""
@@ -276,25 +221,10 @@ class Semaphore(LockSettings):
         if reply[0] != 1:
             self.local.refusal = self._refusal(reply, place is not None)
             return False
-        _, fence, slot, member = reply
-        member = self._encode(member) if isinstance(member, str) else member
+        lease = self._permit(reply, sent_at)
         self.local.refusal = None
-        self.local.token = member
-        self.local.lease = PermitLease(
-            slot=int(slot),
-            permits_key=self.keys.permits,
-            client=self.redis,
-            name=self.name,
-            token=member,
-            fence=int(fence),
-            ttl=self.timeout,
-            sent_at=sent_at,
-            clock=self._clock,
-            drift_factor=self.drift_factor,
-            on_lost=self.on_lost,
-            owner=self,
-            label=self.label,
-        )
+        self.local.token = lease.token
+        self.local.lease = lease
         return True
 
     def _refusal(self, reply: list[Any], in_line: bool) -> Refusal:
@@ -318,23 +248,13 @@ class Semaphore(LockSettings):
             LockNotOwned: If the permit expired and was reclaimed meanwhile;
                 no other permit is touched.
         """
-        token = self.local.token
-        if token is None:
-            raise LockError("Cannot release a permit that's not held.", lock_name=self.name)
-        self.local.token = None
-        lease = self.local.lease
-        if lease is not None:
-            # Flag first: a watchdog renewal racing with the release must not
-            # report the permit lost.
-            lease.released = True
-            lease.on_lost = None
-        if not RELEASE_PERMIT(
-            self.redis, self._release_keys, (token, "0", self._ttl_ms, self.limit)
-        ):
-            if lease is not None:
-                lease.lost = True
-                lease.loss_reason = "not held at release"
-            raise LockNotOwned("Cannot release a permit that's no longer held", lock_name=self.name)
+        super().release()
+
+    def do_release(self, expected_token: bytes) -> None:
+        """Run the release script: remove exactly this permit, wake a waiter if any."""
+        args = (expected_token, "0", self._ttl_ms, self.limit)
+        if not RELEASE_PERMIT(self.redis, self._release_keys, args):
+            raise PERMIT.lost_at_release(self.local.lease, self.name)
 
     def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
         """Add ``additional_time`` seconds to the permit's time left, or set it to that.
@@ -362,19 +282,10 @@ class Semaphore(LockSettings):
         self._renew(self._ttl_ms, True, "reacquire")
         return True
 
-    def _renew(self, ms: int, replace: bool, operation: str) -> None:
-        lease, token = self.local.lease, self.local.token
-        assert lease is not None and token is not None
-        sent_at = self._clock()
-        (left_ms,) = RENEW_PERMITS(
-            self.redis, (self.keys.permits,), ("1" if replace else "0", token, ms)
-        )
-        if not left_ms:
-            lease.mark_lost(f"not held at {operation}")
-            raise LockNotOwned(
-                f"Cannot {operation} a permit that's no longer held", lock_name=self.name
-            )
-        lease.validate_until(sent_at, left_ms / 1000)
+    def _send_renew(self, token: bytes, ms: int, replace: bool) -> int:
+        args = ("1" if replace else "0", token, ms)
+        (left_ms,) = RENEW_PERMITS(self.redis, (self.keys.permits,), args)
+        return int(left_ms)
 
     def held(self) -> int:
         """How many permits are held now (one round trip)."""
@@ -392,7 +303,7 @@ class Semaphore(LockSettings):
     @property
     def lease(self) -> PermitLease | None:
         """This thread's latest permit: held, lost or released; ``None`` before any."""
-        return self.local.lease
+        return cast("PermitLease | None", self.local.lease)
 
     @property
     def refusal(self) -> Refusal:
@@ -418,7 +329,7 @@ class Semaphore(LockSettings):
     @property
     def slot(self) -> int | None:
         """The slot of this thread's current permit, else ``None``."""
-        lease = self.local.lease
+        lease = self.lease
         return lease.slot if lease is not None and self.local.token is not None else None
 
     @property
@@ -439,11 +350,4 @@ class Semaphore(LockSettings):
     @property
     def watchdog(self) -> Watchdog:
         """The watchdog that renews the permit when ``auto_renew`` is set."""
-        if self._watchdog is None:
-            from .renewal import default_watchdog
-
-            self._watchdog = default_watchdog()
-        return self._watchdog
-
-    def __repr__(self) -> str:
-        return f"<Semaphore {self.name!r} limit={self.limit} timeout={self.timeout}>"
+        return super().watchdog
