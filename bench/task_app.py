@@ -28,6 +28,9 @@ Tasks, one per contender, each returning its argument:
     on a raw socket per thread, replies parsed by hiredis): the least any lock
     taken and released in the worker with two commands can cost, so the
     benchmark can tell the lock library's own cost from the round trips'.
+``bench.floor_scripts``
+    The same raw socket sending celery-redlock's own acquire and release
+    scripts: the lock store's work of ``SingletonTask`` without its client.
 
 plus ``bench.hold``, the ``SingletonTask`` of the duplicate storm: it holds its
 lock until the benchmark sets a stop key on the *broker* Redis, so its waiting
@@ -49,11 +52,13 @@ from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
 
 from celery_redlock import SingletonTask
+from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
 __all__ = [
     "HOLD_TTL",
     "app",
     "floor",
+    "floor_scripts",
     "hold",
     "once",
     "plain",
@@ -97,6 +102,8 @@ FLOOR_RELEASE_LUA = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 )
 FLOOR_TTL_MS = b"60000"
+#: The fence counter of ``bench.floor_scripts`` (one per store, as the library keeps it).
+FLOOR_FENCE_KEY = b"task_bench:floor:fence"
 
 
 class _RawLockStore(threading.local):
@@ -111,6 +118,8 @@ class _RawLockStore(threading.local):
         self.reader = hiredis.Reader()
         self.pack = hiredis.pack_command
         self.sha = self.call(self.pack((b"SCRIPT", b"LOAD", FLOOR_RELEASE_LUA)))
+        self.acquire_sha = self.call(self.pack((b"SCRIPT", b"LOAD", ACQUIRE.source)))
+        self.release_sha = self.call(self.pack((b"SCRIPT", b"LOAD", RELEASE.source)))
         self.prefix = f"task_bench:floor:{os.getpid()}:{threading.get_ident()}:".encode()
 
     def call(self, packed: bytes) -> Any:
@@ -168,6 +177,27 @@ def floor(i: int) -> int:
         raise RuntimeError(f"the floor's uncontended SET NX failed for {key!r}")
     result = i
     store.call(store.pack((b"EVALSHA", store.sha, b"1", key, token)))
+    return result
+
+
+@app.task(name="bench.floor_scripts")  # type: ignore[untyped-decorator]
+def floor_scripts(i: int) -> int:
+    """Return ``i`` between celery-redlock's own two scripts, sent on the floor's raw socket.
+
+    The same server-side work as ``SingletonTask`` (the acquire that draws a
+    fence, the compare-and-delete release), none of its client-side work.
+    """
+    global _raw_lock_store
+    if _raw_lock_store is None:
+        _raw_lock_store = _RawLockStore()
+    store = _raw_lock_store
+    key = store.prefix + str(i).encode()
+    token = key
+    acquire = (b"EVALSHA", store.acquire_sha, b"2", key, FLOOR_FENCE_KEY, token)
+    if not isinstance(store.call(store.pack((*acquire, FLOOR_TTL_MS, b"3600000", b"0"))), int):
+        raise RuntimeError(f"the script floor's uncontended acquire failed for {key!r}")
+    result = i
+    store.call(store.pack((b"EVALSHA", store.release_sha, b"1", key, token, b"0")))
     return result
 
 

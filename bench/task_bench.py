@@ -65,12 +65,15 @@ CONTENDERS: tuple[tuple[str, str], ...] = (
     ("celery-once QueueOnce", "bench.once"),
     ("celery-singleton Singleton", "bench.singleton"),
     ("floor: plain + 2 raw lock-store round trips", "bench.floor"),
+    ("script floor: the same with celery-redlock's 2 scripts", "bench.floor_scripts"),
 )
 BASELINE = CONTENDERS[0][0]
 REDLOCK = CONTENDERS[1][0]
 INCUMBENTS = (CONTENDERS[2][0], CONTENDERS[3][0])
 #: A plain task with a library-free SET NX PX and compare-and-delete around its body.
 FLOOR = CONTENDERS[4][0]
+#: The same raw socket sending SingletonTask's own two scripts.
+SCRIPT_FLOOR = CONTENDERS[5][0]
 
 #: Commands the harness itself sends to a server; never charged to a contender.
 HARNESS_COMMANDS = frozenset({"config", "info", "monitor", "echo", "ping", "mget"})
@@ -830,6 +833,14 @@ def summarize(report: Report) -> dict[str, Any]:
         ),
         "worker_cpu": rows[FLOOR]["worker_cpu_us"] - rows[BASELINE]["worker_cpu_us"],
         "redlock_cpu_over_floor": red["worker_cpu_us"] - rows[FLOOR]["worker_cpu_us"],
+        "scripts_consume": _median(
+            [by[SCRIPT_FLOOR][i].rate / base[i].rate for i in range(rounds)]
+        ),
+        "redlock_over_scripts": _median(
+            [by[REDLOCK][i].rate / by[SCRIPT_FLOOR][i].rate for i in range(rounds)]
+        ),
+        "scripts_cpu": rows[SCRIPT_FLOOR]["worker_cpu_us"] - rows[BASELINE]["worker_cpu_us"],
+        "scripts_lock_cpu": rows[SCRIPT_FLOOR]["lock_cpu_us"] - rows[FLOOR]["lock_cpu_us"],
     }
     targets = {
         "floor": floor,
@@ -1020,6 +1031,11 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         f"round: consuming {floor['consume']:.3f}x plain, worker CPU {floor['worker_cpu']:+,.0f} "
         f"µs/task over plain; SingletonTask consuming {floor['redlock_over_floor']:.3f}x the "
         f"floor, worker CPU {floor['redlock_cpu_over_floor']:+,.0f} µs/task over it",
+        f"- the script floor (the same raw socket, SingletonTask's own two scripts), paired per "
+        f"round: consuming {floor['scripts_consume']:.3f}x plain, worker CPU "
+        f"{floor['scripts_cpu']:+,.0f} µs/task over plain, lock-store CPU "
+        f"{floor['scripts_lock_cpu']:+,.0f} µs/task over the floor's; SingletonTask consuming "
+        f"{floor['redlock_over_scripts']:.3f}x the script floor",
         f"- 2 Redis client commands per uncontended task: "
         f"**{'met' if targets['commands'] else 'NOT met'}** "
         f"({red['client_per_task']:g} under MONITOR: {red['client_mix']}; "

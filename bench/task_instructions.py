@@ -22,7 +22,8 @@ distinct arguments), ``once`` and ``singleton`` (the incumbents' worker side),
 ``skip`` (``bench.hold`` whose lock another holder has: acquire refused,
 ``SKIPPED`` recorded, the run ended as ``celery_redlock.celery.skipping``
 says), and ``floor`` (``bench.floor``: a plain task with two library-free
-round trips to the lock store around its body, the least two commands cost).
+round trips to the lock store around its body, the least two commands cost)
+and ``floor_scripts`` (the same with celery-redlock's own two scripts).
 ``--old PATH`` also counts ``task`` and ``skip`` for the package at PATH (a
 checkout of another revision), in the same run. Instructions are
 user-space only: the system calls of the round trips are not in them, which
@@ -51,6 +52,7 @@ VARIANTS = {
     "singleton": "bench.singleton",
     "skip": "bench.hold",
     "floor": "bench.floor",
+    "floor_scripts": "bench.floor_scripts",
 }
 PROCESS_TIME_SYMBOL = "time_process_time"
 
