@@ -2,7 +2,13 @@
 
 Workers run the repository's ``tests.rq_apps`` jobs against the test's private
 redis-server, log to files under the test's tmp_path, and are stopped by their
-own pid (SIGTERM, the warm shutdown; SIGKILL only if that hangs).
+own pid (SIGTERM, the warm shutdown; SIGKILL only if that hangs) when their
+``rq_workers`` block ends, however it ends.
+
+Tests wait for their jobs' outcomes, never for a burst worker to exit: with
+redis-py >= 8.2 a worker's teardown joins its pubsub thread, which may sit out
+the rest of its 60 s poll (RQ 2.x and 3.0 alike), so a burst worker can linger
+for up to a minute after its last job.
 """
 
 from __future__ import annotations
@@ -12,11 +18,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from rq.job import Job, JobStatus
+
 ROOT = Path(__file__).resolve().parent.parent
+#: The statuses in which a job has ended: nothing runs it again unless it is requeued.
+ENDED = frozenset({JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED})
 
 
 def rq_command() -> list[str]:
@@ -52,10 +62,6 @@ class RQWorker:
                 argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
             )
 
-    def wait(self, timeout: float) -> int:
-        """Wait for a burst worker to exit; return its exit status."""
-        return self.process.wait(timeout=timeout)
-
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the worker by its pid: SIGTERM, then SIGKILL if it does not exit in time."""
         if self.process.poll() is not None:
@@ -76,15 +82,45 @@ class RQWorker:
 def rq_workers(
     url: str, queue: str, logdir: Path, count: int, **kwargs
 ) -> Iterator[list[RQWorker]]:
-    """Start ``count`` workers on ``queue``; stop them all when the block ends."""
-    workers: list[RQWorker] = []
-    try:
+    """Start ``count`` workers on ``queue``; stop every one started when the block ends.
+
+    Each stop is registered as its worker starts, so a failed start, a failed
+    test or a stop that raises still stops (and reaps) the others.
+    """
+    with ExitStack() as stops:
+        workers: list[RQWorker] = []
         for i in range(count):
-            workers.append(RQWorker(url, queue, logdir, name=f"{queue}-w{i}", **kwargs))
+            worker = RQWorker(url, queue, logdir, name=f"{queue}-w{i}", **kwargs)
+            stops.callback(worker.stop)
+            workers.append(worker)
         yield workers
-    finally:
-        for worker in workers:
-            worker.stop()
+
+
+def wait_for_jobs(
+    jobs: Iterable[Job],
+    timeout: float,
+    workers: Iterable[RQWorker] = (),
+    status: JobStatus | None = None,
+) -> None:
+    """Wait until every job has ended (or, given ``status``, is in it).
+
+    Fails naming the jobs still out, with the workers' logs.
+    """
+    jobs = list(jobs)
+
+    def pending() -> list[Job]:
+        return [
+            job
+            for job in jobs
+            if (job.get_status() != status if status is not None else job.get_status() not in ENDED)
+        ]
+
+    try:
+        wait_until(lambda: not pending(), timeout, f"{len(jobs)} jobs to end")
+    except AssertionError as exc:
+        out = ", ".join(f"{job.id} ({job.get_status()})" for job in pending())
+        logs = "\n".join(worker.log() for worker in workers)
+        raise AssertionError(f"{exc}; still out: {out}\n{logs}") from None
 
 
 def wait_until(condition, timeout: float, what: str, interval: float = 0.05) -> None:

@@ -35,6 +35,8 @@ __all__ = ["CLAIM", "enqueue_once"]
 #          yet counts as being enqueued for this long
 # Returns  the id of the live job to reuse, or nil when the marker now names ARGV[1].
 #
+# A job is live in every status but the four it ends in, so statuses RQ adds
+# (RQ 3's rate_limited and ready_to_enqueue) count as live without a change here.
 # The marker value is "<job id>|<claim time in ms>". Job hashes are read by a
 # key built here, which Redis Cluster would refuse; RQ does not run on Cluster.
 CLAIM = Script(
@@ -84,9 +86,10 @@ def enqueue_once(
     Two calls are identical when they have the same lock key: for a
     :func:`singleton_job` function its own key options, otherwise all arguments.
     A job that is queued, scheduled (for instance requeued by its lock),
-    deferred or started counts; a finished, failed, stopped or canceled one does
-    not. The check and the claim are one atomic script, so concurrent callers
-    get one job between them.
+    deferred or started counts, and so does one RQ 3 holds back under its own
+    ``rate_limit`` (``rate_limited``, ``ready_to_enqueue``): any state but
+    finished, failed, stopped or canceled. The check and the claim are one
+    atomic script, so concurrent callers get one job between them.
 
     Args:
         queue: The RQ queue.

@@ -7,6 +7,7 @@ import signal
 import threading
 
 import pytest
+import rq
 from rq import Queue
 from rq.job import JobStatus
 from rq.registry import FailedJobRegistry
@@ -14,7 +15,7 @@ from rq.registry import FailedJobRegistry
 from celery_redlock import ConfigurationError
 from celery_redlock.rq import REQUEUES_META, SKIP_META, enqueue_once, singleton_job
 from tests.rq_apps import jobs
-from tests.rq_harness import rq_workers, wait_until
+from tests.rq_harness import rq_workers, wait_for_jobs, wait_until
 
 
 @pytest.mark.timeout(90)
@@ -45,11 +46,11 @@ def test_enqueue_once_returns_the_queued_or_running_job(redis_server, tmp_path):
     assert enqueue_once(queue, jobs.held_until_released, (), {"item": "x"}).id == first.id
     other = enqueue_once(queue, jobs.held_until_released, ("y",))
     assert other.id != first.id
-    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as (worker,):
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as workers:
         wait_until(lambda: first.get_status() == JobStatus.STARTED, 30, "the job to start")
         assert enqueue_once(queue, jobs.held_until_released, ("x",)).id == first.id
         client.set(jobs.RELEASE, 1)
-        assert worker.wait(30) == 0, worker.log()
+        wait_for_jobs([first, other], 30, workers)
     assert first.get_status() == JobStatus.FINISHED
     again = enqueue_once(queue, jobs.held_until_released, ("x",))
     assert again.id not in (first.id, other.id)
@@ -73,6 +74,20 @@ def test_concurrent_enqueue_once_makes_one_job(redis_server):
     for thread in threads:
         thread.join(30)
     assert len(ids) == 20 and len(set(ids)) == 1
+    assert queue.count == 1
+
+
+@pytest.mark.skipif(not hasattr(rq, "RateLimit"), reason="RQ's own rate limits came in RQ 3.0")
+def test_enqueue_once_returns_a_job_rqs_rate_limit_holds_back(redis_server):
+    """A job RQ 3 holds back under its own rate_limit (status rate_limited) is still returned."""
+    client = redis_server.client()
+    queue = Queue("once-rq-rate", connection=client)
+    limit = rq.RateLimit("account", concurrency=1)
+    running = enqueue_once(queue, print, ("a",), rate_limit=limit)
+    held_back = enqueue_once(queue, print, ("b",), rate_limit=limit)
+    assert running.get_status() == JobStatus.QUEUED
+    assert held_back.get_status() == "rate_limited"
+    assert enqueue_once(queue, print, ("b",), rate_limit=limit).id == held_back.id
     assert queue.count == 1
 
 
@@ -119,11 +134,11 @@ def test_requeues_run_out_on_a_lock_store_that_stays_down_naming_the_outage(
     env = {jobs.LOCK_STORE_ENV: down.url}
     down.pause()
     try:
-        with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True, env=env) as (w,):
-            assert w.wait(60) == 0, w.log()
+        with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True, env=env) as workers:
+            wait_for_jobs([job], 60, workers)
     finally:
         down.resume()
-    assert job.get_status() == JobStatus.FAILED, w.log()
+    assert job.get_status() == JobStatus.FAILED, workers[0].log()
     message = job.latest_result().exc_string
     assert "LockNotAcquired" in message
     assert "gave up after 0 requeues" in message and "kept failing" in message
@@ -138,16 +153,16 @@ def test_a_failing_job_releases_its_lock(redis_server, tmp_path):
     queue = Queue("fails", connection=client)
     key = jobs.fails_first.lock_key_for("x")
     first = queue.enqueue(jobs.fails_first, "x")
-    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as (worker,):
-        assert worker.wait(60) == 0, worker.log()
-    assert first.get_status() == JobStatus.FAILED, worker.log()
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as workers:
+        wait_for_jobs([first], 60, workers)
+    assert first.get_status() == JobStatus.FAILED, workers[0].log()
     assert "ValueError: the first run of x fails" in first.latest_result().exc_string
     # The TTL is 60 s: only a release can have removed the key.
     assert not client.exists(key)
     second = queue.enqueue(jobs.fails_first, "x")
-    with rq_workers(redis_server.url, queue.name, tmp_path / "again", 1, burst=True) as (worker,):
-        assert worker.wait(60) == 0, worker.log()
-    assert second.get_status() == JobStatus.FINISHED, worker.log()
+    with rq_workers(redis_server.url, queue.name, tmp_path / "again", 1, burst=True) as workers:
+        wait_for_jobs([second], 60, workers)
+    assert second.get_status() == JobStatus.FINISHED, workers[0].log()
     assert second.return_value() == "ran x"
     assert int(client.get(jobs.RUNS)) == 2
     assert not client.exists(key)

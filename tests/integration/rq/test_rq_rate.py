@@ -10,7 +10,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from celery_redlock import ConfigurationError
 from celery_redlock.rq import REQUEUES_META, SKIP_META, singleton_job
 from tests.rq_apps import jobs
-from tests.rq_harness import RQWorker, rq_workers, wait_until
+from tests.rq_harness import rq_workers, wait_for_jobs, wait_until
 
 
 def most_in_a_window(starts: list[int], window_ms: int) -> int:
@@ -53,8 +53,8 @@ def test_skip_over_the_rate_finishes_the_job_with_skipped_and_says_why(redis_ser
     queue = Queue("rated_skip", connection=client)
     first = queue.enqueue(jobs.rated_or_skipped, 1)
     second = queue.enqueue(jobs.rated_or_skipped, 2)
-    worker = RQWorker(redis_server.url, queue.name, tmp_path, name="rated-skip", burst=True)
-    assert worker.wait(60) == 0, worker.log()
+    with rq_workers(redis_server.url, queue.name, tmp_path, 1, burst=True) as workers:
+        wait_for_jobs([first, second], 45, workers)
     first.refresh()
     second.refresh()
     assert (first.return_value(), second.return_value()) == (1, "SKIPPED")

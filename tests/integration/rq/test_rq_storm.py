@@ -9,7 +9,7 @@ from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from celery_redlock.rq import REQUEUES_META, SKIP_META
 from tests.hold_log import assert_serial
 from tests.rq_apps import jobs
-from tests.rq_harness import rq_workers, wait_until
+from tests.rq_harness import rq_workers, wait_for_jobs, wait_until
 
 
 @pytest.mark.slow
@@ -24,8 +24,7 @@ def test_skip_storm_of_100_identical_jobs_runs_exactly_once(redis_server, tmp_pa
         # One job holds its lock until all others have been dealt with.
         wait_until(lambda: finished.count >= 99, 90, "99 skipped jobs")
         client.set(jobs.RELEASE, 1)
-        for worker in workers:
-            assert worker.wait(30) == 0, worker.log()
+        wait_for_jobs(enqueued, 30, workers)
     assert int(client.get(jobs.RUNS)) == 1
     for job in enqueued:
         job.refresh()
