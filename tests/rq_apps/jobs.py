@@ -140,14 +140,14 @@ def limited(item, seconds=0.3):
     return item
 
 
-#: The server times (ms) at which ``rated`` runs were admitted.
+#: ``item:ms``: the server time at which each ``rated`` run was admitted.
 RATED_LOG = "jobs:rated"
 
 
 @singleton_job(ttl=5, key="item", rate="2/2s", rate_key=[], on_conflict="requeue")
 def rated(item):
     """Record the server time of this run's admission to the shared rate key (2 per 2 s)."""
-    _connection().rpush(RATED_LOG, current_rate().verdict.at_ms)
+    _connection().rpush(RATED_LOG, f"{item}:{current_rate().verdict.at_ms}")
     return item
 
 
