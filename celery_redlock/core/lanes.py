@@ -8,13 +8,36 @@ lane per thread and drops them all in a forked child.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HandBack", "Lane", "ThreadLane"]
+__all__ = ["HandBack", "Lane", "ThreadLane", "weak_hand_back"]
 
 #: ``hand_back(connection, replies owed, when to give up on them)``.
 HandBack = Callable[[Any, int, float], None]
+
+
+def weak_hand_back(method: Callable[..., None], *leading: Any) -> HandBack:
+    """A lane's hand-back that calls ``method(*leading, conn, owed, give_up)``, held weakly.
+
+    ``method`` is bound to the lanes' owner (a master's node). Held strongly
+    it would make a cycle (the owner, its thread-local lanes, a lane, the
+    method, the owner) with a ``__del__`` in it, which only the cyclic
+    collector breaks, in two passes: an owner made for a short-lived client
+    would keep a connection per thread open until then. Held weakly, the
+    owner goes with its client, and the lanes' connections are closed at once.
+    """
+    owner_method = weakref.WeakMethod(method)
+
+    def hand_back(conn: Any, owed: int, give_up: float) -> None:
+        bound = owner_method()
+        if bound is None:
+            conn.disconnect()  # its pool went with the owner
+            return
+        bound(*leading, conn, owed, give_up)
+
+    return hand_back
 
 
 class Lane:

@@ -15,7 +15,6 @@ connections are in :mod:`celery_redlock.core.wire`.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import threading
 import time
 import weakref
@@ -28,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .forks import in_forked_children
-from .lanes import Lane, ThreadLane
+from .lanes import Lane, ThreadLane, weak_hand_back
 from .wire import Request
 
 __all__ = ["Connected", "Master", "Node", "bounded_client", "fork_generation", "node_for"]
@@ -280,7 +279,7 @@ class Node:
         lanes = self._lanes
         lane = lanes.lane
         if lane is None:
-            lane = lanes.lane = Lane(functools.partial(self._hand_back, self._generation))
+            lane = lanes.lane = Lane(weak_hand_back(self._hand_back, self._generation))
         return lane
 
     def _hand_back(self, generation: int, conn: Any, owed: int, give_up: float) -> None:

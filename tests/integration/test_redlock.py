@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
 
 import pytest
+import redis
 
 from celery_redlock import LockError, LockNotOwned, QuorumNotAchieved, Redlock, fence_key_for
 from tests.hold_log import fences_drawn_for
@@ -361,3 +363,31 @@ def test_threads_that_end_hand_their_connections_on_to_the_next(five):
     # master each (50); one that ends just as the next starts may still hold
     # its own, so only most of them are asked to reuse.
     assert opened() - before < len(five) * 10 // 2
+
+
+def test_redlocks_of_short_lived_clients_leave_no_connection_open(five):
+    """Clients made per call: their connections close as they go, without the cyclic collector.
+
+    Each thread's lane to a master must not keep that master's node (and its
+    connection) alive in a reference cycle, which only a full collection
+    would break: code that builds its clients per call would pile up idle
+    connections towards the servers' ``maxclients``.
+    """
+    admin = [s.client() for s in five]
+
+    def connected():
+        return [a.info("clients")["connected_clients"] for a in admin]
+
+    before = connected()
+    gc.disable()
+    try:
+        for _ in range(30):
+            clients = [redis.Redis(host="127.0.0.1", port=s.port) for s in five]
+            lock = Redlock(clients, "job", timeout=10)
+            assert lock.acquire(blocking=False)
+            lock.release()
+            del lock, clients
+    finally:
+        gc.enable()
+    # Lingering connections would be one per call and master (30 each).
+    assert all(now - then < 5 for now, then in zip(connected(), before)), (before, connected())
