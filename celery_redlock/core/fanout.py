@@ -21,8 +21,8 @@ from typing import Any, Union
 import redis
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from .lanes import Lane
-from .late_jobs import use_late_job
+from .lanes import Lane, changed
+from .late_jobs import job_outcome, use_late_job
 from .lua import Script
 from .nodes import MAX_OWED, Connected, Node
 from .sockets import INCOMPLETE, NOT_ENOUGH_DATA, PREFETCH_SIZE, prefetch, ready_reply, send
@@ -61,6 +61,8 @@ class Round:
         lanes: This thread's lane to each master (``None`` for a master that
             cannot be polled, or for all of them); without one, connections
             come from the master's shared pool.
+        send: ``False``: send nothing; a volley hands over what it sent
+            (see :meth:`expect`, :meth:`write`, :meth:`read_owed`).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Round:
         claims: dict[int, Any] | None = None,
         timeout: float | None = None,
         lanes: Sequence[Lane | None] | None = None,
+        send: bool = True,
     ) -> None:
         self.nodes = nodes
         # A copy: a request sent again after a lost reply may differ from the first.
@@ -92,7 +95,8 @@ class Round:
         self._retried: set[int] = set()
         # Failures met while sending, reported to the first collect().
         self._failed: list[int] = []
-        self._send_all(claims)
+        if send:
+            self._send_all(claims)
 
     def _send_all(self, claims: dict[int, Any] | None) -> None:
         # Per master, everything a round does is inline for the common case (this
@@ -148,9 +152,9 @@ class Round:
                     reading[fd] = (i, conn, skip, True, lane, None if known else script)
                     register(fd, select.POLLIN)
                     continue
-                self._write(i, conn, skip, True, [data[sent:]], lane)
+                self.write(i, conn, skip, True, [data[sent:]], lane)
             else:
-                self._write(i, conn, skip, True, packed, lane)
+                self.write(i, conn, skip, True, packed, lane)
 
     def _connection(
         self, i: int, lane: Lane | None, claim: Any
@@ -192,9 +196,10 @@ class Round:
             self.outcomes[i] = exc
             self._failed.append(i)
 
-    def _write(
+    def write(
         self, i: int, conn: Any, skip: int, reused: bool, packed: Any, lane: Lane | None
     ) -> None:
+        """Send ``packed`` to master ``i`` on ``conn`` and wait for the reply, behind ``skip``."""
         try:
             fd = send(conn, packed)
         except RedisError as exc:  # the connection closed itself
@@ -202,12 +207,19 @@ class Round:
                 lane.drop(conn)
             self.nodes[i].failures += 1
             self.nodes[i].scripts.clear()
+            changed()
             # Not all of it was sent, so it did not run: send it as it is.
             if not self._retry(i, reused, exc, self.requests[i]):
                 self.outcomes[i] = exc
                 self._failed.append(i)
             return
         self._wait(fd, (i, conn, skip, reused, lane, self.requests[i].script))  # type: ignore[union-attr]
+
+    def expect(self, i: int, conn: Any, skip: int, lane: Lane | None) -> None:
+        """Wait for master ``i``'s reply to a request sent on ``conn``, behind ``skip`` others."""
+        if lane is not None:
+            lane.busy = True
+        self._wait(conn._sock.fileno(), (i, conn, skip, True, lane, None))
 
     def _wait(self, fd: int, entry: Reading) -> None:
         self._reading[fd] = entry
@@ -269,14 +281,14 @@ class Round:
             i, conn, skip, _, lane, script = entry
             reader = None if skip else getattr(conn._parser, "_reader", None)
             if reader is None or conn._sock is None:
-                decided = self._read_owed(fd, entry, settle, None) or decided
+                decided = self.read_owed(fd, entry, settle, None) or decided
                 continue
             try:
                 data = os.read(fd, PREFETCH_SIZE)
             except OSError:  # _read_owed() reads again and reports
                 data = b""
             if not data:
-                decided = self._read_owed(fd, entry, settle, None) or decided
+                decided = self.read_owed(fd, entry, settle, None) or decided
                 continue
             reader.feed(data)
             try:
@@ -288,7 +300,7 @@ class Round:
             if reply is NOT_ENOUGH_DATA:
                 self._wait(fd, entry)
             elif isinstance(reply, BaseException):
-                decided = self._read_owed(fd, entry, settle, reply) or decided
+                decided = self.read_owed(fd, entry, settle, reply) or decided
             else:
                 if script is not None:
                     self.nodes[i].scripts.add(script.sha)
@@ -309,9 +321,8 @@ class Round:
         else:
             self.nodes[i].checkin(conn)
 
-    def _read_owed(self, fd: int, entry: Reading, settle: Settle, error: Any) -> bool:
-        # The general case: replies owed before ours, or ``error``, the error
-        # reply _read() took (raised here as ready_reply() would).
+    def read_owed(self, fd: int, entry: Reading, settle: Settle, error: Any) -> bool:
+        """Read ``entry``'s reply behind those owed, or handle ``error`` (an error reply, read)."""
         i, conn, skip, reused, lane, script = entry
         node = self.nodes[i]
         request = self.requests[i]
@@ -329,6 +340,7 @@ class Round:
                 except NoScriptError:
                     # An earlier script did not run here: resend sources for now.
                     node.scripts.clear()
+                    changed()
                     skipped = None
                 except ResponseError:
                     skipped = None
@@ -342,7 +354,8 @@ class Round:
                 return False
         except NoScriptError:
             node.scripts.clear()
-            self._write(i, conn, 0, False, conn.pack_command(*request.with_source()), lane)
+            changed()
+            self.write(i, conn, 0, False, conn.pack_command(*request.with_source()), lane)
             return False
         except ResponseError as exc:
             outcome = exc
@@ -350,6 +363,7 @@ class Round:
             # Maybe a restart, which empties the script cache too.
             node.scripts.clear()
             node.failures += 1
+            changed()
             conn.disconnect()
             if lane is not None:
                 lane.drop(conn)
@@ -370,19 +384,12 @@ class Round:
 
     def _take_job(self, job: concurrent.futures.Future[Any], settle: Settle) -> bool:
         i = self._jobs.pop(job)
-        try:
-            result = job.result()
-        except Exception as exc:
-            self.nodes[i].scripts.clear()
-            outcome: Any = exc
-        else:
-            if isinstance(result, Connected):
-                request = self.requests[i]
-                assert request is not None
-                packed = request.packed(result.conn, self.nodes[i])
-                self._write(i, result.conn, 0, False, packed, None)
-                return False
-            outcome = result
+        outcome = job_outcome(self.nodes[i], job)
+        if isinstance(outcome, Connected):
+            request = self.requests[i]
+            assert request is not None
+            self.write(i, outcome.conn, 0, False, request.packed(outcome.conn, self.nodes[i]), None)
+            return False
         self.outcomes[i] = outcome
         return settle(i, outcome)
 

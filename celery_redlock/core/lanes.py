@@ -7,15 +7,33 @@ lane per thread and drops them all in a forked child.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HandBack", "Lane", "ThreadLane", "weak_hand_back"]
+__all__ = ["HandBack", "Lane", "ThreadLane", "change", "changed", "weak_hand_back"]
 
 #: ``hand_back(connection, replies owed, when to give up on them)``.
 HandBack = Callable[[Any, int, float], None]
+
+_changes = itertools.count(1)
+#: Changes whenever a master's connections fail or it forgets a script, in any
+#: thread; a thread's :class:`~celery_redlock.core.volley.Volley` made before
+#: is then made again (its checks were done once, for as long as this holds).
+change = 0
+
+
+def changed() -> None:
+    """Record that a master failed or forgot a script (call after changing its state).
+
+    Each call stores a value never stored before (``next()`` of a counter is
+    atomic, and so is the assignment), so two threads that race here cannot
+    leave ``change`` at a value a volley took before either call.
+    """
+    global change
+    change = next(_changes)
 
 
 def weak_hand_back(method: Callable[..., None], *leading: Any) -> HandBack:

@@ -1,4 +1,4 @@
-"""What becomes of a Redlock round's background job that finished after the round was over.
+"""A Redlock round's background jobs: their outcome, and what becomes of one that ends late.
 
 Internal to :mod:`celery_redlock.core.fanout`: a connection opened too late, or
 a request run through a client (a master that cannot be polled) whose
@@ -12,14 +12,29 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from .lanes import changed
 from .nodes import Connected, Node
 from .wire import Request
 
-__all__ = ["FOLLOW_UP_TRIES", "use_late_job"]
+__all__ = ["FOLLOW_UP_TRIES", "job_outcome", "use_late_job"]
 
 #: Most times the follow-up of a request run through a client is tried while it
 #: fails (a hung master times each try out: a few node timeouts in all).
 FOLLOW_UP_TRIES = 5
+
+
+def job_outcome(node: Node, job: concurrent.futures.Future[Any]) -> Any:
+    """A finished background job's result (a :class:`Connected`, or a reply), or its error.
+
+    A failure may be a restart, which empties the master's script cache: its
+    scripts go with their source until it shows it knows them again.
+    """
+    try:
+        return job.result()
+    except Exception as exc:
+        node.scripts.clear()
+        changed()
+        return exc
 
 
 def use_late_job(

@@ -17,12 +17,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .error_text import describe_error
 from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
-from .fanout import NOT_ASKED, PENDING, Round, Settle
+from .fanout import NOT_ASKED, PENDING, Round
 from .lanes import Lane
 from .nodes import Node, fork_generation
-from .wire import Request
+from .volley import Volley, volley_for
+from .votes import GRANTED, Votes
+from .wire import Request, Template
 
 __all__ = [
+    "GRANTED",
     "NODE_TIMEOUT_MAX",
     "NODE_TIMEOUT_MIN",
     "Masters",
@@ -63,58 +66,12 @@ def check_node_timeout(node_timeout: object, ttl: float | None) -> float:
     return float(node_timeout)
 
 
-class Votes:
-    """A majority vote among ``size`` masters."""
-
-    __slots__ = ("failed", "granted", "needed", "refused", "size")
-
-    def __init__(self, size: int, granted: int = 0) -> None:
-        self.size = size
-        self.needed = size // 2 + 1
-        self.granted = granted
-        self.refused = 0
-        self.failed = 0
-
-    @property
-    def won(self) -> bool:
-        """A majority agreed."""
-        return self.granted >= self.needed
-
-    @property
-    def refused_by_majority(self) -> bool:
-        """Enough masters answered no that no majority can say yes, whatever the rest do."""
-        return self.refused > self.size - self.needed
-
-    def settle(
-        self, agrees: Callable[[int, Any], bool] | None = None, expected: Any = None
-    ) -> Settle:
-        """A ``settle`` callback for :meth:`Round.collect` that counts votes.
-
-        A reply agrees if ``agrees(index, reply)`` says so or, without
-        ``agrees``, if it equals ``expected``: a release (``1``) is voted on at
-        every cycle of a lock, and this saves it a call per reply.
-        """
-        # Decided once a majority agreed, or once too few are left to make one.
-        needed = self.needed
-        spare = self.size - needed
-
-        def count(i: int, outcome: Any) -> bool:
-            if isinstance(outcome, BaseException):
-                self.failed += 1
-            elif agrees(i, outcome) if agrees is not None else outcome == expected:
-                self.granted += 1
-                return self.granted >= needed
-            else:
-                self.refused += 1
-            return self.granted >= needed or self.refused + self.failed > spare
-
-        return count
-
-
 class _ThreadLanes(threading.local):
     # This thread's lane to each master, and the fork generation they belong to.
     lanes: list[Lane | None] | None = None
     generation = -1
+    # The same lanes, for rounds that need no more than them (see Volley).
+    volley: Volley | None = None
 
 
 class Masters:
@@ -168,6 +125,42 @@ class Masters:
         requests = [request] * len(self.nodes) if isinstance(request, Request) else request
         return Round(self.nodes, requests, claims, self.timeout, self.lanes())
 
+    def open_vote(
+        self,
+        template: Template,
+        value: bytes,
+        claims: dict[int, Any] | None = None,
+        expected: Any = GRANTED,
+    ) -> tuple[Round | Volley, Votes]:
+        """Send ``template`` with ``value`` to every master; count until the vote is decided.
+
+        A reply agrees if it equals ``expected`` (with :data:`GRANTED`: if it
+        grants an acquire). The round comes back unfinished: the caller calls
+        its ``finish()`` (in a ``finally``). On this thread's own connections,
+        when all are ready, a :class:`Volley` makes the round; else a
+        :class:`Round`.
+        """
+        local = self._local
+        volley = local.volley
+        if volley is not None:
+            done = volley.run(template, value, claims, expected)
+            if done is not None:
+                return done
+        if volley is None or not volley.current:
+            volley = local.volley = volley_for(self.nodes, self.lanes(), self.timeout)
+            if volley is not None:
+                done = volley.run(template, value, claims, expected)
+                if done is not None:
+                    return done
+        votes = Votes(len(self.nodes))
+        round_ = self.send(template.request(value), claims)
+        try:
+            round_.collect(votes.settle(None, expected))
+        except BaseException:
+            round_.finish()
+            raise
+        return round_, votes
+
     def vote(
         self,
         request: Request,
@@ -196,7 +189,7 @@ class Masters:
         self,
         message: str,
         lock_name: str,
-        round_: Round,
+        round_: Round | Volley,
         votes: Votes,
         refusal: Callable[[Any], LockError | None],
     ) -> QuorumNotAchieved:

@@ -32,7 +32,7 @@ from .exceptions import (
     LockNotOwned,
     QuorumNotAchieved,
 )
-from .fanout import PENDING, Round
+from .fanout import NOT_ASKED, PENDING, Round
 from .lock import Lock
 from .lock_options import Number
 from .nodes import Master, bounded_client, node_for
@@ -40,6 +40,7 @@ from .quorum import Masters, Votes, agreed_too_late, check_node_timeout
 from .redlock_lease import RedlockLease
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE
+from .volley import Volley
 from .wire import Request, Template
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
@@ -186,25 +187,9 @@ class Redlock(Lock):
         masters = self._masters
         sent_at = self._clock()
         lease = self._new_lease(RedlockLease, masters, token, None, sent_at)
-        fences: dict[int, int] = {}
-        granted: set[int] = set()
-        holders: list[Holder] = []
-
-        def agrees(i: int, reply: Any) -> bool:
-            if isinstance(reply, list):  # the acquire script's "held by" answer
-                holders.append(holder_of(reply))
-                return False
-            if reply is None:  # SET NX refused
-                return False
-            if self.fencing:
-                fences[i] = int(reply)
-            granted.add(i)
-            return True
-
-        votes = Votes(len(masters.nodes))
-        grant = masters.send(self._grant.request(token))
+        grant, votes = masters.open_vote(self._grant, token)
         try:
-            grant.collect(votes.settle(agrees))
+            granted, fences, holders = self._read_grants(grant.outcomes)
             failure: QuorumNotAchieved | None = None
             if not votes.won:
                 failure = masters.failure(
@@ -232,6 +217,23 @@ class Redlock(Lock):
         self.local.failure = None
         self.local.lease = lease
         return True
+
+    def _read_grants(self, outcomes: list[Any]) -> tuple[set[int], dict[int, int], list[Holder]]:
+        """What an acquire's replies say: who granted it, their fences, the holders seen."""
+        granted: set[int] = set()
+        fences: dict[int, int] = {}
+        holders: list[Holder] = []
+        fencing = self.fencing
+        for i, reply in enumerate(outcomes):
+            if reply is None or reply is PENDING or reply is NOT_ASKED:
+                continue  # SET NX refused, or no answer
+            if type(reply) is list:  # the acquire script's "held by" answer
+                holders.append(holder_of(reply))
+            elif not isinstance(reply, BaseException):
+                granted.add(i)
+                if fencing:
+                    fences[i] = int(reply)
+        return granted, fences, holders
 
     def _grant_template(self) -> Template:
         if self.fencing:
@@ -281,7 +283,7 @@ class Redlock(Lock):
             lambda reply: None if reply == 1 else LockError("counter not raised", self.name),
         )
 
-    def _undo(self, grant: Round, granted: set[int], token: bytes) -> None:
+    def _undo(self, grant: Round | Volley, granted: set[int], token: bytes) -> None:
         """Release a failed acquisition on every master that may hold it.
 
         Masters that have not answered get the release on the same connection,
@@ -315,12 +317,12 @@ class Redlock(Lock):
                 was lost or outlived its validity.
             QuorumNotAchieved: If too few masters answered to tell.
         """
-        request = self._release.request(expected_token)
         lease = self.local.lease
         claims: dict[int, Any] = {}
         if isinstance(lease, RedlockLease) and lease.token == expected_token:
             claims, lease.stragglers = lease.stragglers, {}
-        round_, votes = self._masters.vote(request, None, claims, expected=1)
+        round_, votes = self._masters.open_vote(self._release, expected_token, claims, 1)
+        round_.finish()
         # A lease already found lost stays lost: a master reached again after a
         # restart counts a missing key as released when the release is resent
         # after a lost reply (see scripts.RELEASE), which is no sign of holding it.

@@ -75,6 +75,11 @@ class Template:
 
     def pack(self, key: PackingKey, value: bytes) -> bytes:
         """The command with ``value`` in its wire format for ``key``."""
+        parts = self._parts.get(key) or self.parts(key)
+        return b"%s$%d\r\n%s\r\n%s" % (parts[0], len(value), value, parts[1])
+
+    def parts(self, key: PackingKey) -> tuple[bytes, bytes]:
+        """The command's bytes before the value and after it, in the wire format for ``key``."""
         parts = self._parts.get(key)
         if parts is None:
             encoding, source = key
@@ -85,7 +90,7 @@ class Template:
                 b"*%d\r\n" % len(command) + b"".join(bulks[: self.slot]),
                 b"".join(bulks[self.slot + 1 :]),
             )
-        return b"%s$%d\r\n%s\r\n%s" % (parts[0], len(value), value, parts[1])
+        return parts
 
 
 def _with_source(command: tuple[Arg, ...], script: Script | None) -> tuple[Arg, ...]:

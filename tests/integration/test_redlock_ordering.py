@@ -106,3 +106,88 @@ def test_acquire_timed_out_through_a_client_is_still_undone(redis_servers):
     check = servers[2].client()
     assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
     assert servers[0].client().get("job") is None
+
+
+@pytest.mark.timeout(30)
+def test_shared_lock_released_by_another_thread_behind_its_acquires_stragglers(redis_servers):
+    """A lock shared by threads, released by another thread before a slow master answered
+    its acquire: the release runs after the acquire there, and every later vote reads its own
+    replies."""
+    first, second, slow = redis_servers(3)
+    name = "job"
+    with DelayProxy(slow.port) as proxy:
+        masters = [first.client(), second.client(), redis.Redis(port=proxy.port)]
+        lock = Redlock(masters, name, timeout=10, thread_local=False)
+        warm(lock)
+        # This thread's own connection to every master (the one a thread
+        # keeps, see core/lanes.py), which the acquire below then goes out
+        # on: a thread-local lock's votes that need the slow master's answer
+        # (the first master is taken) give it one.
+        first.client().set("warm", "someone else")
+        warm(Redlock(masters, "warm", timeout=10))
+        first.client().delete("warm")
+        # The acquire reaches the slow master 0.6 s late: the vote is won
+        # without it, and its connection still owes that reply.
+        late = time.monotonic() + 0.6
+        proxy.hold(late)
+        assert lock.acquire(blocking=False)
+        proxy.stop_holding()
+        fence = lock.fence
+        released = {}
+
+        def release():
+            lock.release()
+            released["at"] = time.monotonic()
+
+        other_thread = threading.Thread(target=release)
+        other_thread.start()
+        other_thread.join(5)
+        # Released by a majority before the slow master even saw the acquire.
+        assert released["at"] < late, "the release waited for the slow master"
+        assert first.client().get(name) is None and second.client().get(name) is None
+        # A release sent on another connection would run first there and leave
+        # the late acquire's key behind; sent behind it, it deletes it.
+        time.sleep(max(0.0, late + 0.2 - time.monotonic()))
+        assert wait_until(lambda: slow.client().get(name) is None, timeout=2), slow.client().get(
+            name
+        )
+        # Later votes, from both threads, each read their own replies: with
+        # the first master taken, each needs the slow master's own answer (a
+        # connection whose count of owed replies went wrong would take an
+        # earlier reply for it, or wait for one that never comes).
+        first.client().set(name, "someone else")
+        fences = [fence]
+        rival = Redlock(masters, name, timeout=10)
+        for _ in range(3):
+            for run in (lambda f: f(), lambda f: run_in_thread(f)):
+
+                def cycle():
+                    assert lock.acquire(blocking=False), lock.local.failure
+                    fences.append(lock.fence)
+                    assert lock.locked() and lock.owned()
+                    assert not rival.acquire(blocking=False)
+                    lock.release()
+
+                run(cycle)
+        assert fences == sorted(set(fences)), fences
+        assert first.client().delete(name) == 1
+        assert not lock.locked()
+        assert all(c.get(name) is None for c in (first.client(), second.client(), slow.client()))
+
+
+def run_in_thread(call):
+    """Run ``call`` in a new thread and return once it has; its exception is raised here."""
+    errors = []
+
+    def target():
+        try:
+            call()
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,423 @@
+"""A Redlock round on a thread's own connections, all ready: one loop sends, one counts.
+
+Internal to :class:`~celery_redlock.core.quorum.Masters`. The general
+:class:`~celery_redlock.core.fanout.Round` decides, per master and operation,
+where a connection comes from, whether its master knows the script, how many
+replies it owes and whether the write or the reply went wrong; at five masters
+a round, those calls and checks cost the client more CPU than the system
+calls. A :class:`Volley` makes the common round without them: this thread's
+lane to every master holds a connection that nothing else is using, every
+master knows the script, one packed request goes to all, and a persistent
+``poll`` object, registered once, reports the replies, which are counted in
+the same loop that reads them. Everything else (a lane without a connection,
+a master that failed or owes replies for too long, a script to send with its
+source, claims on other connections) is left to a ``Round``; so is anything
+that goes wrong once the request is out: the volley hands the masters still
+owing a reply to a ``Round``, which sends again, retries and reports as usual.
+
+A volley's state is the lanes' own: ``Lane.owed`` counts the replies a lane's
+connection owes, ours included, from the moment the request is written, so
+whatever stops a volley (an exception, the vote decided early) leaves every
+lane as a ``Round`` would: owing what it has not read.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from . import lanes as lane_changes
+from . import nodes as node_state
+from .fanout import PENDING, Round
+from .lanes import Lane
+from .nodes import MAX_OWED, Node
+from .sockets import NOT_ENOUGH_DATA, PREFETCH_SIZE
+from .votes import GRANTED, Votes
+from .wire import Template
+
+__all__ = ["Volley", "volley_for"]
+
+
+def volley_for(
+    nodes: Sequence[Node], lanes: Sequence[Lane | None], timeout: float
+) -> Volley | None:
+    """The volley of ``nodes`` on ``lanes``, or ``None`` while one cannot be made.
+
+    Every lane must hold an open connection with a hiredis reader (this
+    thread has used every master), and every master must share one encoding,
+    so that one packed request fits all.
+    """
+    if len({node.encoding for node in nodes}) != 1:
+        return None
+    conns = []
+    for node, lane in zip(nodes, lanes):
+        if lane is None or lane.conn is None or lane.busy or lane.epoch != node.failures:
+            return None
+        conn = lane.conn
+        sock = conn._sock
+        if sock is None or getattr(conn._parser, "_reader", None) is None:
+            return None
+        conns.append(conn)
+    return Volley(nodes, lanes, conns, timeout)  # type: ignore[arg-type]
+
+
+class Volley:
+    """This thread's lanes to every master of one Redlock, sent to and read in one loop each.
+
+    Made by :func:`volley_for`, kept per thread while the lanes keep their
+    connections and no master fails (see :func:`lanes.changed`). After
+    :meth:`run` it answers as a finished :class:`Round` does: ``outcomes``,
+    ``expired`` and :meth:`finish`, until the thread's next volley.
+    """
+
+    __slots__ = (
+        "change",
+        "conns",
+        "encoding",
+        "expired",
+        "fds",
+        "generation",
+        "index",
+        "lanes",
+        "nodes",
+        "outcomes",
+        "parts",
+        "poll",
+        "readers",
+        "socks",
+        "timeout",
+        "waiting",
+    )
+
+    def __init__(
+        self, nodes: Sequence[Node], lanes: Sequence[Lane], conns: list[Any], timeout: float
+    ) -> None:
+        self.nodes = tuple(nodes)
+        self.lanes = tuple(lanes)
+        self.conns = conns
+        self.timeout = timeout
+        # Taken before the checks of volley_for's caller: a change since makes it stale.
+        self.change = lane_changes.change
+        self.generation = node_state.fork_generation()
+        self.encoding = (nodes[0].encoding, False)
+        self.socks = [conn._sock for conn in conns]
+        self.readers = [conn._parser._reader for conn in conns]
+        self.fds = [sock.fileno() for sock in self.socks]
+        self.index = {fd: i for i, fd in enumerate(self.fds)}
+        # Registered once: every round sends to every master, so each one it
+        # reports readable owes this round a reply.
+        self.poll = select.poll()
+        for fd in self.fds:
+            self.poll.register(fd, select.POLLIN)
+        # Template -> its packed parts, once every master knows its script.
+        self.parts: dict[Template, tuple[bytes, bytes]] = {}
+        self.outcomes: list[Any] = []
+        self.expired = False
+        # Masters of the last round left owing its reply, their lanes busy until finish().
+        self.waiting = False
+
+    @property
+    def current(self) -> bool:
+        """Whether no fork happened and no master failed or forgot a script since it was made."""
+        return (
+            self.change == lane_changes.change and self.generation == node_state.fork_generation()
+        )
+
+    def _admit(self, template: Template) -> tuple[bytes, bytes] | None:
+        """The packed parts of ``template``, once every master knows its script (else ``None``)."""
+        script = template.script
+        if script is not None and not all(script.sha in node.scripts for node in self.nodes):
+            return None
+        parts = self.parts[template] = template.parts(self.encoding)
+        return parts
+
+    # long because: checks and writes in one loop each; a call per master is what a volley saves
+    def run(
+        self,
+        template: Template,
+        value: bytes,
+        claims: dict[int, Any] | None = None,
+        expected: Any = GRANTED,
+    ) -> tuple[Volley | Round, Votes] | None:
+        """Send ``template`` with ``value`` to every master and count until the vote is decided.
+
+        A reply agrees if it equals ``expected``, or with :data:`GRANTED`, if
+        it is neither ``None`` nor a list (an acquire's refusals).
+
+        Returns:
+            The volley (or the :class:`Round` that took over after a failure)
+            and the votes; ``None`` when this round needs a ``Round`` from the
+            start (nothing was sent).
+        """
+        if self.change != lane_changes.change or self.generation != node_state.fork_generation():
+            return None
+        parts = self.parts.get(template) or self._admit(template)
+        if parts is None:
+            return None
+        lanes, conns, socks = self.lanes, self.conns, self.socks
+        now = time.monotonic()
+        # Everything a Round checks per master and operation, in one loop.
+        for i, lane in enumerate(lanes):
+            conn = conns[i]
+            if (
+                lane.conn is not conn
+                or conn._sock is not socks[i]
+                or lane.busy
+                or (lane.owed and lane.give_up <= now)
+                or (lane.owed > MAX_OWED and not self._drain(i))
+            ):
+                return None
+        if claims:
+            for i, conn in claims.items():
+                if conn is not conns[i]:
+                    return None
+        data = b"%s$%d\r\n%s\r\n%s" % (parts[0], len(value), value, parts[1])
+        size = len(data)
+        write = os.write
+        give_up = now + self.timeout
+        # Written only partly or not at all: (master, what is left to send).
+        broken: list[tuple[int, bytes]] = []
+        for i, fd in enumerate(self.fds):
+            try:
+                sent = write(fd, data)
+            except OSError:  # nothing written: the Round sends again and reports
+                sent = 0
+            if sent == size:
+                lane = lanes[i]
+                lane.owed += 1
+                lane.give_up = give_up
+            else:
+                broken.append((i, data[sent:]))
+        self.outcomes = [PENDING] * len(lanes)
+        self.expired = False
+        if broken:
+            return self._hand_over(template, value, expected, 0, 0, broken, None)
+        return self._count(template, value, expected, give_up)
+
+    # long because: one loop reads and counts every reply; a call per reply is what it saves
+    def _count(
+        self, template: Template, value: bytes, expected: Any, deadline: float
+    ) -> tuple[Volley | Round, Votes]:
+        """Read the replies as ``poll()`` reports them, counting until the vote is decided.
+
+        Replies that arrived together with the deciding one are read too: they
+        cost no wait, and a lane left owing them reads them first next time.
+        """
+        outcomes, lanes, readers, index = self.outcomes, self.lanes, self.readers, self.index
+        poll, read = self.poll.poll, os.read
+        n = len(outcomes)
+        needed = n // 2 + 1
+        spare = n - needed
+        granted = refused = 0
+        want_grant = expected is GRANTED
+        left = n
+        wait = self.timeout  # the writes took next to nothing of it
+        while True:
+            for fd, _ in poll(wait * 1000):
+                i = index[fd]
+                if outcomes[i] is not PENDING:
+                    # Nothing is owed on it: the server closed the connection.
+                    # The next round finds out, on a Round.
+                    self.poll.unregister(fd)
+                    self.change = -1
+                    continue
+                try:
+                    chunk = read(fd, PREFETCH_SIZE)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    failure: tuple[int, Any] = (i, None)
+                    return self._hand_over(template, value, expected, granted, refused, [], failure)
+                reader = readers[i]
+                reader.feed(chunk)
+                lane = lanes[i]
+                while True:
+                    try:
+                        reply = reader.gets()
+                    except BaseException as exc:  # a protocol error: unreadable from here
+                        self.conns[i].disconnect()
+                        failure = (i, exc)
+                        return self._hand_over(
+                            template, value, expected, granted, refused, [], failure
+                        )
+                    if reply is NOT_ENOUGH_DATA:
+                        break
+                    owed = lane.owed - 1
+                    if (
+                        type(reply) is not int
+                        and isinstance(reply, BaseException)
+                        and (not owed or not self._skipped_error(i, reply))
+                    ):
+                        return self._hand_over(
+                            template, value, expected, granted, refused, [], (i, reply)
+                        )
+                    lane.owed = owed
+                    if owed:  # an earlier request's, nobody waits for it
+                        continue
+                    outcomes[i] = reply
+                    left -= 1
+                    if (
+                        (reply is not None and type(reply) is not list)
+                        if want_grant
+                        else (reply == expected)
+                    ):
+                        granted += 1
+                    else:
+                        refused += 1
+                    break
+            if granted >= needed or refused > spare or not left:
+                break
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                self.expired = True
+                break
+        if left:
+            # Like a Round's, the lanes of masters that have not answered stay
+            # busy until finish(): a round made meanwhile (raising a fence)
+            # must not take their replies for its own, and an undo goes
+            # behind them on the same connections.
+            self.waiting = True
+            for i, outcome in enumerate(outcomes):
+                if outcome is PENDING:
+                    lanes[i].busy = True
+        votes = Votes(n, granted)
+        votes.refused = refused
+        return self, votes
+
+    def _drain(self, i: int) -> bool:
+        """Read the replies master ``i``'s lane owes that have arrived; ``True`` if few are left.
+
+        A lane owing more than ``MAX_OWED`` replies is not sent on (a Round
+        would take another connection), yet its replies have usually all
+        arrived: nobody waits for them, so reading them costs no wait.
+        """
+        lane, conn = self.lanes[i], self.conns[i]
+        try:
+            chunk = os.read(self.fds[i], PREFETCH_SIZE)
+        except BlockingIOError:
+            return False
+        except OSError:
+            chunk = b""
+        reader = self.readers[i]
+        try:
+            if not chunk:
+                raise ConnectionError("closed by the server")
+            reader.feed(chunk)
+            while lane.owed:
+                reply = reader.gets()
+                if reply is NOT_ENOUGH_DATA:
+                    break
+                if isinstance(reply, BaseException) and not self._skipped_error(i, reply):
+                    raise reply
+                lane.owed -= 1
+        except Exception:
+            # Closed, a protocol error or a connection-level error reply: the
+            # connection goes, as a Round's would; the next round opens another.
+            conn.disconnect()
+            lane.drop(conn)
+            node = self.nodes[i]
+            node.failures += 1
+            node.scripts.clear()
+            lane_changes.changed()
+            return False
+        return lane.owed <= MAX_OWED
+
+    def _skipped_error(self, i: int, error: BaseException) -> bool:
+        # An error reply to an earlier request nobody waits for: what a Round
+        # does with it. A master that did not know a script sends sources
+        # again; other error replies are that request's business. A
+        # connection-level one is not skipped: the Round closes and retries.
+        if isinstance(error, NoScriptError):
+            self.nodes[i].scripts.clear()
+            lane_changes.changed()
+            return True
+        return isinstance(error, ResponseError)
+
+    def _hand_over(
+        self,
+        template: Template,
+        value: bytes,
+        expected: Any,
+        granted: int,
+        refused: int,
+        broken: list[tuple[int, bytes]],
+        failure: tuple[int, Any] | None,
+    ) -> tuple[Round, Votes]:
+        """Let a :class:`Round` finish what went wrong: a write, a read or an error reply.
+
+        Masters still owing this round's reply are waited for by the Round,
+        behind the replies they owe; ``broken`` ones get the rest of the
+        request; ``failure``'s master has its error handled (resent, retried or
+        counted) as the Round does for its own.
+        """
+        self.change = -1  # made again, from lanes the Round may have replaced
+        request = template.request(value)
+        nodes, lanes, conns = self.nodes, self.lanes, self.conns
+        round_ = Round(nodes, [request] * len(nodes), None, self.timeout, lanes, send=False)
+        votes = Votes(len(nodes), granted)
+        votes.refused = refused
+        settle = votes.settle(None, expected)
+        unsent = {i for i, _ in broken}
+        failed = None if failure is None else failure[0]
+        for i, outcome in enumerate(self.outcomes):
+            round_.outcomes[i] = outcome
+            if outcome is PENDING and i not in unsent and i != failed:
+                # Sent, not answered yet: the lane owes its reply last.
+                lane = lanes[i]
+                skip, lane.owed = lane.owed - 1, 0
+                round_.expect(i, conns[i], skip, lane)
+        for i, rest in broken:
+            lane = lanes[i]
+            skip, lane.owed, lane.busy = lane.owed, 0, True
+            round_.write(i, conns[i], skip, True, [rest], lane)
+        if failure is not None:
+            i, error = failure
+            lane = lanes[i]
+            # Owed: the replies before ours, and ours (or the error reply, taken).
+            skip, lane.owed, lane.busy = max(lane.owed - 1, 0), 0, True
+            entry = (i, conns[i], skip, True, lane, None)
+            if round_.read_owed(self.fds[i], entry, settle, error):
+                return round_, votes
+        round_.collect(settle)
+        return round_, votes
+
+    def finish(
+        self, follow_up: Any = None, reserve: bool = False, any_thread: bool = False
+    ) -> dict[int, Any]:
+        """What :meth:`Round.finish` does, for the masters that had not answered.
+
+        Their lanes already owe the reply; ``follow_up`` goes behind it on the
+        same connection, and ``any_thread`` parks it reserved in the master's
+        shared pool instead (see :meth:`Round.finish`).
+        """
+        parked: dict[int, Any] = {}
+        if not self.waiting:
+            return parked
+        self.waiting = False
+        for i, outcome in enumerate(self.outcomes):
+            lane, conn = self.lanes[i], self.conns[i]
+            if outcome is not PENDING or lane.conn is not conn:
+                continue
+            lane.busy = False
+            if not reserve and follow_up is None:
+                continue
+            if follow_up is not None:
+                try:
+                    conn.send_packed_command(
+                        conn.pack_command(*follow_up.with_source()), check_health=False
+                    )
+                except Exception:
+                    lane.drop(conn)
+                    continue
+                lane.owed += 1
+            if any_thread:
+                owed, give_up = lane.owed, lane.give_up
+                lane.drop(conn)
+                self.nodes[i].park(conn, owed, give_up, reserved=reserve)
+            parked[i] = conn
+        return parked
