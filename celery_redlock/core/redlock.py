@@ -225,11 +225,15 @@ class Redlock(Lock):
         holders: list[Holder] = []
         fencing = self.fencing
         for i, reply in enumerate(outcomes):
-            if reply is None or reply is PENDING or reply is NOT_ASKED:
+            if type(reply) is int:  # the acquire script's fence
+                granted.add(i)
+                if fencing:
+                    fences[i] = reply
+            elif reply is None or reply is PENDING or reply is NOT_ASKED:
                 continue  # SET NX refused, or no answer
-            if type(reply) is list:  # the acquire script's "held by" answer
+            elif type(reply) is list:  # the acquire script's "held by" answer
                 holders.append(holder_of(reply))
-            elif not isinstance(reply, BaseException):
+            elif not isinstance(reply, BaseException):  # SET NX's OK
                 granted.add(i)
                 if fencing:
                     fences[i] = int(reply)

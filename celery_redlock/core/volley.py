@@ -52,6 +52,8 @@ def volley_for(
     thread has used every master), and every master must share one encoding,
     so that one packed request fits all.
     """
+    # Taken before the checks: a failure any thread records meanwhile makes it stale.
+    change = lane_changes.change
     if len({node.encoding for node in nodes}) != 1:
         return None
     conns = []
@@ -63,7 +65,7 @@ def volley_for(
         if sock is None or getattr(conn._parser, "_reader", None) is None:
             return None
         conns.append(conn)
-    return Volley(nodes, lanes, conns, timeout)  # type: ignore[arg-type]
+    return Volley(nodes, lanes, conns, timeout, change)  # type: ignore[arg-type]
 
 
 class Volley:
@@ -76,39 +78,52 @@ class Volley:
     """
 
     __slots__ = (
+        "by_fd",
         "change",
         "conns",
         "encoding",
         "expired",
         "fds",
         "generation",
-        "index",
         "lanes",
         "nodes",
         "outcomes",
         "parts",
         "poll",
         "readers",
+        "rows",
         "socks",
         "timeout",
         "waiting",
     )
 
     def __init__(
-        self, nodes: Sequence[Node], lanes: Sequence[Lane], conns: list[Any], timeout: float
+        self,
+        nodes: Sequence[Node],
+        lanes: Sequence[Lane],
+        conns: list[Any],
+        timeout: float,
+        change: int,
     ) -> None:
         self.nodes = tuple(nodes)
         self.lanes = tuple(lanes)
         self.conns = conns
         self.timeout = timeout
-        # Taken before the checks of volley_for's caller: a change since makes it stale.
-        self.change = lane_changes.change
+        # lanes.change when the lanes were checked: another value means stale.
+        self.change = change
         self.generation = node_state.fork_generation()
         self.encoding = (nodes[0].encoding, False)
         self.socks = [conn._sock for conn in conns]
         self.readers = [conn._parser._reader for conn in conns]
         self.fds = [sock.fileno() for sock in self.socks]
-        self.index = {fd: i for i, fd in enumerate(self.fds)}
+        # What each round reads per master, unpacked in one step: for the
+        # checks and writes (lane, connection, socket, fd), and by the fd
+        # poll() reports (index, reader, lane).
+        self.rows = tuple(zip(self.lanes, conns, self.socks, self.fds))
+        self.by_fd = {
+            fd: (i, reader, lane)
+            for i, (fd, reader, lane) in enumerate(zip(self.fds, self.readers, self.lanes))
+        }
         # Registered once: every round sends to every master, so each one it
         # reports readable owes this round a reply.
         self.poll = select.poll()
@@ -159,20 +174,19 @@ class Volley:
         parts = self.parts.get(template) or self._admit(template)
         if parts is None:
             return None
-        lanes, conns, socks = self.lanes, self.conns, self.socks
+        rows = self.rows
         now = time.monotonic()
         # Everything a Round checks per master and operation, in one loop.
-        for i, lane in enumerate(lanes):
-            conn = conns[i]
-            if (
-                lane.conn is not conn
-                or conn._sock is not socks[i]
-                or lane.busy
-                or (lane.owed and lane.give_up <= now)
-                or (lane.owed > MAX_OWED and not self._drain(i))
+        for lane, conn, sock, _ in rows:
+            if lane.conn is not conn or conn._sock is not sock or lane.busy:
+                return None
+            owed = lane.owed
+            if owed and (
+                lane.give_up <= now or (owed > MAX_OWED and not self._drain(self.lanes.index(lane)))
             ):
                 return None
         if claims:
+            conns = self.conns
             for i, conn in claims.items():
                 if conn is not conns[i]:
                     return None
@@ -182,18 +196,17 @@ class Volley:
         give_up = now + self.timeout
         # Written only partly or not at all: (master, what is left to send).
         broken: list[tuple[int, bytes]] = []
-        for i, fd in enumerate(self.fds):
+        for lane, _, _, fd in rows:
             try:
                 sent = write(fd, data)
             except OSError:  # nothing written: the Round sends again and reports
                 sent = 0
             if sent == size:
-                lane = lanes[i]
                 lane.owed += 1
                 lane.give_up = give_up
             else:
-                broken.append((i, data[sent:]))
-        self.outcomes = [PENDING] * len(lanes)
+                broken.append((self.fds.index(fd), data[sent:]))
+        self.outcomes = [PENDING] * len(rows)
         self.expired = False
         if broken:
             return self._hand_over(template, value, expected, 0, 0, broken, None)
@@ -208,7 +221,7 @@ class Volley:
         Replies that arrived together with the deciding one are read too: they
         cost no wait, and a lane left owing them reads them first next time.
         """
-        outcomes, lanes, readers, index = self.outcomes, self.lanes, self.readers, self.index
+        outcomes, by_fd = self.outcomes, self.by_fd
         poll, read = self.poll.poll, os.read
         n = len(outcomes)
         needed = n // 2 + 1
@@ -219,7 +232,7 @@ class Volley:
         wait = self.timeout  # the writes took next to nothing of it
         while True:
             for fd, _ in poll(wait * 1000):
-                i = index[fd]
+                i, reader, lane = by_fd[fd]
                 if outcomes[i] is not PENDING:
                     # Nothing is owed on it: the server closed the connection.
                     # The next round finds out, on a Round.
@@ -233,9 +246,7 @@ class Volley:
                 if not chunk:
                     failure: tuple[int, Any] = (i, None)
                     return self._hand_over(template, value, expected, granted, refused, [], failure)
-                reader = readers[i]
                 reader.feed(chunk)
-                lane = lanes[i]
                 while True:
                     try:
                         reply = reader.gets()
@@ -284,7 +295,7 @@ class Volley:
             self.waiting = True
             for i, outcome in enumerate(outcomes):
                 if outcome is PENDING:
-                    lanes[i].busy = True
+                    self.lanes[i].busy = True
         votes = Votes(n, granted)
         votes.refused = refused
         return self, votes
