@@ -36,7 +36,7 @@ from . import nodes as node_state
 from .fanout import PENDING, Round
 from .lanes import Lane
 from .nodes import MAX_OWED, Node
-from .sockets import NOT_ENOUGH_DATA, PREFETCH_SIZE
+from .sockets import NOT_ENOUGH_DATA, PREFETCH_SIZE, served_directly
 from .votes import GRANTED, Votes
 from .wire import Template
 
@@ -48,9 +48,9 @@ def volley_for(
 ) -> Volley | None:
     """The volley of ``nodes`` on ``lanes``, or ``None`` while one cannot be made.
 
-    Every lane must hold an open connection with a hiredis reader (this
-    thread has used every master), and every master must share one encoding,
-    so that one packed request fits all.
+    Every lane must hold an open connection that :func:`served_directly`
+    allows (this thread has used every master), and every master must share
+    one encoding, so that one packed request fits all.
     """
     # Taken before the checks: a failure any thread records meanwhile makes it stale.
     change = lane_changes.change
@@ -61,8 +61,9 @@ def volley_for(
         if lane is None or lane.conn is None or lane.busy or lane.epoch != node.failures:
             return None
         conn = lane.conn
-        sock = conn._sock
-        if sock is None or getattr(conn._parser, "_reader", None) is None:
+        # Only redis-py's own connection classes (a subclass may change what
+        # a read or write does), connected, with hiredis and no health checks.
+        if not served_directly(conn):
             return None
         conns.append(conn)
     return Volley(nodes, lanes, conns, timeout, change)  # type: ignore[arg-type]
