@@ -179,11 +179,14 @@ class Volley:
         now = time.monotonic()
         # Everything a Round checks per master and operation, in one loop.
         for lane, conn, sock, _ in rows:
-            if lane.conn is not conn or conn._sock is not sock or lane.busy:
+            if lane.conn is not conn or conn._sock is not sock:
+                self.change = -1  # the lane's connection was replaced: made again
                 return None
             owed = lane.owed
-            if owed and (
-                lane.give_up <= now or (owed > MAX_OWED and not self._drain(self.lanes.index(lane)))
+            if lane.busy or (
+                owed
+                and (owed > MAX_OWED or lane.give_up <= now)
+                and not self._drain(self.lanes.index(lane), now)
             ):
                 return None
         if claims:
@@ -301,20 +304,24 @@ class Volley:
         votes.refused = refused
         return self, votes
 
-    def _drain(self, i: int) -> bool:
-        """Read the replies master ``i``'s lane owes that have arrived; ``True`` if few are left.
+    def _drain(self, i: int, now: float) -> bool:
+        """Read the replies master ``i``'s lane owes that have arrived; ``True`` if it may be used.
 
-        A lane owing more than ``MAX_OWED`` replies is not sent on (a Round
-        would take another connection), yet its replies have usually all
-        arrived: nobody waits for them, so reading them costs no wait.
+        A lane owing more than ``MAX_OWED`` replies, or owing them for longer
+        than the node timeout, is not sent on (a Round takes another
+        connection, or closes it as hung), yet its replies have usually all
+        arrived (a lock used again after a pause): nobody waits for them, so
+        reading them costs no wait and keeps the connection.
         """
         lane, conn = self.lanes[i], self.conns[i]
         try:
             chunk = os.read(self.fds[i], PREFETCH_SIZE)
         except BlockingIOError:
-            return False
+            chunk = None
         except OSError:
             chunk = b""
+        if chunk is None:  # nothing more has arrived
+            return lane.owed <= MAX_OWED and lane.give_up > now
         reader = self.readers[i]
         try:
             if not chunk:
@@ -337,7 +344,7 @@ class Volley:
             node.scripts.clear()
             lane_changes.changed()
             return False
-        return lane.owed <= MAX_OWED
+        return not lane.owed or (lane.owed <= MAX_OWED and lane.give_up > now)
 
     def _skipped_error(self, i: int, error: BaseException) -> bool:
         # An error reply to an earlier request nobody waits for: what a Round
