@@ -20,6 +20,7 @@ from .exceptions import ConfigurationError, LockError, QuorumNotAchieved
 from .fanout import NOT_ASKED, PENDING, Round
 from .lanes import Lane
 from .nodes import Node, fork_generation
+from .shot import Shot
 from .volley import Volley, volley_for
 from .votes import GRANTED, Votes
 from .wire import Request, Template
@@ -131,7 +132,7 @@ class Masters:
         value: bytes,
         claims: dict[int, Any] | None = None,
         expected: Any = GRANTED,
-    ) -> tuple[Round | Volley, Votes]:
+    ) -> tuple[Round | Shot, Votes]:
         """Send ``template`` with ``value`` to every master; count until the vote is decided.
 
         A reply agrees if it equals ``expected`` (with :data:`GRANTED`: if it
@@ -189,7 +190,7 @@ class Masters:
         self,
         message: str,
         lock_name: str,
-        round_: Round | Volley,
+        round_: Round | Shot,
         votes: Votes,
         refusal: Callable[[Any], LockError | None],
     ) -> QuorumNotAchieved:

@@ -40,7 +40,7 @@ from .quorum import Masters, Votes, agreed_too_late, check_node_timeout
 from .redlock_lease import RedlockLease
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE
-from .volley import Volley
+from .shot import Shot
 from .wire import Request, Template
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
@@ -287,7 +287,7 @@ class Redlock(Lock):
             lambda reply: None if reply == 1 else LockError("counter not raised", self.name),
         )
 
-    def _undo(self, grant: Round | Volley, granted: set[int], token: bytes) -> None:
+    def _undo(self, grant: Round | Shot, granted: set[int], token: bytes) -> None:
         """Release a failed acquisition on every master that may hold it.
 
         Masters that have not answered get the release on the same connection,

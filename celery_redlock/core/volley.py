@@ -16,9 +16,13 @@ that goes wrong once the request is out: the volley hands the masters still
 owing a reply to a ``Round``, which sends again, retries and reports as usual.
 
 A volley's state is the lanes' own: ``Lane.owed`` counts the replies a lane's
-connection owes, ours included, from the moment the request is written, so
-whatever stops a volley (an exception, the vote decided early) leaves every
-lane as a ``Round`` would: owing what it has not read.
+connection owes, ours included, from the moment the request is written, and
+a lane is ``busy`` from then until its reply is read, so whatever stops a
+volley (an exception, the vote decided early) leaves every lane as a
+``Round`` would: owing what it has not read, and taken by no other round
+meanwhile (greenlets that share a thread's state, when gevent patched after
+this was imported, take other connections). What one round's caller reads
+and finishes is its own :class:`Shot`, never changed by a later round.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from . import nodes as node_state
 from .fanout import PENDING, Round
 from .lanes import Lane
 from .nodes import MAX_OWED, Node
+from .shot import Shot
 from .sockets import NOT_ENOUGH_DATA, PREFETCH_SIZE, served_directly
 from .votes import GRANTED, Votes
 from .wire import Template
@@ -73,9 +78,8 @@ class Volley:
     """This thread's lanes to every master of one Redlock, sent to and read in one loop each.
 
     Made by :func:`volley_for`, kept per thread while the lanes keep their
-    connections and no master fails (see :func:`lanes.changed`). After
-    :meth:`run` it answers as a finished :class:`Round` does: ``outcomes``,
-    ``expired`` and :meth:`finish`, until the thread's next volley.
+    connections and no master fails (see :func:`lanes.changed`). Each
+    :meth:`run` answers with a :class:`Shot`, as a finished :class:`Round`.
     """
 
     __slots__ = (
@@ -88,14 +92,12 @@ class Volley:
         "generation",
         "lanes",
         "nodes",
-        "outcomes",
         "parts",
         "poll",
         "readers",
         "rows",
         "socks",
         "timeout",
-        "waiting",
     )
 
     def __init__(
@@ -132,10 +134,6 @@ class Volley:
             self.poll.register(fd, select.POLLIN)
         # Template -> its packed parts, once every master knows its script.
         self.parts: dict[Template, tuple[bytes, bytes]] = {}
-        self.outcomes: list[Any] = []
-        self.expired = False
-        # Masters of the last round left owing its reply, their lanes busy until finish().
-        self.waiting = False
 
     @property
     def current(self) -> bool:
@@ -159,16 +157,16 @@ class Volley:
         value: bytes,
         claims: dict[int, Any] | None = None,
         expected: Any = GRANTED,
-    ) -> tuple[Volley | Round, Votes] | None:
+    ) -> tuple[Shot | Round, Votes] | None:
         """Send ``template`` with ``value`` to every master and count until the vote is decided.
 
         A reply agrees if it equals ``expected``, or with :data:`GRANTED`, if
         it is neither ``None`` nor a list (an acquire's refusals).
 
         Returns:
-            The volley (or the :class:`Round` that took over after a failure)
-            and the votes; ``None`` when this round needs a ``Round`` from the
-            start (nothing was sent).
+            The round's :class:`Shot` (or the :class:`Round` that took over
+            after a failure) and the votes; ``None`` when this round needs a
+            ``Round`` from the start (nothing was sent).
         """
         if self.change != lane_changes.change or self.generation != node_state.fork_generation():
             return None
@@ -208,24 +206,33 @@ class Volley:
             if sent == size:
                 lane.owed += 1
                 lane.give_up = give_up
+                # Until its reply is read: no other round may take it for its own.
+                lane.busy = True
             else:
                 broken.append((self.fds.index(fd), data[sent:]))
-        self.outcomes = [PENDING] * len(rows)
-        self.expired = False
-        if broken:
-            return self._hand_over(template, value, expected, 0, 0, broken, None)
-        return self._count(template, value, expected, give_up)
+        shot = Shot(self, len(rows))
+        try:
+            if broken:
+                return self._hand_over(shot, template, value, expected, 0, 0, broken, None, give_up)
+            return self._count(shot, template, value, expected, give_up)
+        except BaseException:
+            # Interrupted while waiting (a signal, a time limit): the lanes
+            # still owing this round's reply keep owing it, read first by the
+            # next round on them, and are free again.
+            shot.waiting = True
+            shot.finish()
+            raise
 
     # long because: one loop reads and counts every reply; a call per reply is what it saves
     def _count(
-        self, template: Template, value: bytes, expected: Any, deadline: float
-    ) -> tuple[Volley | Round, Votes]:
+        self, shot: Shot, template: Template, value: bytes, expected: Any, deadline: float
+    ) -> tuple[Shot | Round, Votes]:
         """Read the replies as ``poll()`` reports them, counting until the vote is decided.
 
         Replies that arrived together with the deciding one are read too: they
         cost no wait, and a lane left owing them reads them first next time.
         """
-        outcomes, by_fd = self.outcomes, self.by_fd
+        outcomes, by_fd = shot.outcomes, self.by_fd
         poll, read = self.poll.poll, os.read
         n = len(outcomes)
         needed = n // 2 + 1
@@ -249,7 +256,9 @@ class Volley:
                     chunk = b""
                 if not chunk:
                     failure: tuple[int, Any] = (i, None)
-                    return self._hand_over(template, value, expected, granted, refused, [], failure)
+                    return self._hand_over(
+                        shot, template, value, expected, granted, refused, [], failure, deadline
+                    )
                 reader.feed(chunk)
                 while True:
                     try:
@@ -258,7 +267,7 @@ class Volley:
                         self.conns[i].disconnect()
                         failure = (i, exc)
                         return self._hand_over(
-                            template, value, expected, granted, refused, [], failure
+                            shot, template, value, expected, granted, refused, [], failure, deadline
                         )
                     if reply is NOT_ENOUGH_DATA:
                         break
@@ -269,12 +278,21 @@ class Volley:
                         and (not owed or not self._skipped_error(i, reply))
                     ):
                         return self._hand_over(
-                            template, value, expected, granted, refused, [], (i, reply)
+                            shot,
+                            template,
+                            value,
+                            expected,
+                            granted,
+                            refused,
+                            [],
+                            (i, reply),
+                            deadline,
                         )
                     lane.owed = owed
                     if owed:  # an earlier request's, nobody waits for it
                         continue
                     outcomes[i] = reply
+                    lane.busy = False
                     left -= 1
                     if (
                         (reply is not None and type(reply) is not list)
@@ -289,20 +307,16 @@ class Volley:
                 break
             wait = deadline - time.monotonic()
             if wait <= 0:
-                self.expired = True
+                shot.expired = True
                 break
-        if left:
-            # Like a Round's, the lanes of masters that have not answered stay
-            # busy until finish(): a round made meanwhile (raising a fence)
-            # must not take their replies for its own, and an undo goes
-            # behind them on the same connections.
-            self.waiting = True
-            for i, outcome in enumerate(outcomes):
-                if outcome is PENDING:
-                    self.lanes[i].busy = True
+        # Like a Round's, the lanes of masters that have not answered stay
+        # busy until finish(): a round made meanwhile (raising a fence) must
+        # not take their replies for its own, and an undo goes behind them
+        # on the same connections.
+        shot.waiting = left > 0
         votes = Votes(n, granted)
         votes.refused = refused
-        return self, votes
+        return shot, votes
 
     def _drain(self, i: int, now: float) -> bool:
         """Read the replies master ``i``'s lane owes that have arrived; ``True`` if it may be used.
@@ -357,8 +371,10 @@ class Volley:
             return True
         return isinstance(error, ResponseError)
 
+    # long because: the Round takes each master's state over in its own way
     def _hand_over(
         self,
+        shot: Shot,
         template: Template,
         value: bytes,
         expected: Any,
@@ -366,6 +382,7 @@ class Volley:
         refused: int,
         broken: list[tuple[int, bytes]],
         failure: tuple[int, Any] | None,
+        deadline: float,
     ) -> tuple[Round, Votes]:
         """Let a :class:`Round` finish what went wrong: a write, a read or an error reply.
 
@@ -378,12 +395,14 @@ class Volley:
         request = template.request(value)
         nodes, lanes, conns = self.nodes, self.lanes, self.conns
         round_ = Round(nodes, [request] * len(nodes), None, self.timeout, lanes, send=False)
+        # The node timeout runs from the volley's writes, not from here.
+        round_.deadline = deadline
         votes = Votes(len(nodes), granted)
         votes.refused = refused
         settle = votes.settle(None, expected)
         unsent = {i for i, _ in broken}
         failed = None if failure is None else failure[0]
-        for i, outcome in enumerate(self.outcomes):
+        for i, outcome in enumerate(shot.outcomes):
             round_.outcomes[i] = outcome
             if outcome is PENDING and i not in unsent and i != failed:
                 # Sent, not answered yet: the lane owes its reply last.
@@ -400,43 +419,12 @@ class Volley:
             # Owed: the replies before ours, and ours (or the error reply, taken).
             skip, lane.owed, lane.busy = max(lane.owed - 1, 0), 0, True
             entry = (i, conns[i], skip, True, lane, None)
-            if round_.read_owed(self.fds[i], entry, settle, error):
-                return round_, votes
-        round_.collect(settle)
+        try:
+            if failure is None or not round_.read_owed(self.fds[i], entry, settle, error):
+                round_.collect(settle)
+        except BaseException:
+            # The Round holds the lanes now: only its finish() leaves them owing
+            # what they owe, and free.
+            round_.finish()
+            raise
         return round_, votes
-
-    def finish(
-        self, follow_up: Any = None, reserve: bool = False, any_thread: bool = False
-    ) -> dict[int, Any]:
-        """What :meth:`Round.finish` does, for the masters that had not answered.
-
-        Their lanes already owe the reply; ``follow_up`` goes behind it on the
-        same connection, and ``any_thread`` parks it reserved in the master's
-        shared pool instead (see :meth:`Round.finish`).
-        """
-        parked: dict[int, Any] = {}
-        if not self.waiting:
-            return parked
-        self.waiting = False
-        for i, outcome in enumerate(self.outcomes):
-            lane, conn = self.lanes[i], self.conns[i]
-            if outcome is not PENDING or lane.conn is not conn:
-                continue
-            lane.busy = False
-            if not reserve and follow_up is None:
-                continue
-            if follow_up is not None:
-                try:
-                    conn.send_packed_command(
-                        conn.pack_command(*follow_up.with_source()), check_health=False
-                    )
-                except Exception:
-                    lane.drop(conn)
-                    continue
-                lane.owed += 1
-            if any_thread:
-                owed, give_up = lane.owed, lane.give_up
-                lane.drop(conn)
-                self.nodes[i].park(conn, owed, give_up, reserved=reserve)
-            parked[i] = conn
-        return parked

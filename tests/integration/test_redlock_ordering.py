@@ -15,6 +15,7 @@ import redis
 
 from celery_redlock import Redlock
 from celery_redlock.core.holder import Holder
+from celery_redlock.core.volley import Volley
 from tests.fault_proxy import DelayProxy
 from tests.integration.test_redlock import wait_until, warm
 
@@ -195,3 +196,103 @@ def run_in_thread(call):
     assert not thread.is_alive()
     if errors:
         raise errors[0]
+
+
+@pytest.mark.timeout(30)
+def test_a_round_made_while_another_waits_on_the_same_lanes_reads_only_its_own_replies(
+    redis_servers, monkeypatch
+):
+    """Two rounds at once on one thread's lanes: neither takes the other's replies.
+
+    Greenlets share a thread's lanes when gevent patched after this library
+    was imported (a preloading server): one greenlet's round then starts while
+    another's waits for its replies. Here the second round runs at exactly
+    that point of the first, in the same thread. Were the lanes left free
+    while a reply is on its way, the second round would send on them too, read
+    the first round's replies as earlier ones nobody waits for, and leave the
+    first one waiting for replies already taken: its acquire would fail with
+    its keys set on every master.
+    """
+    servers = redis_servers(3)
+    masters = [s.client() for s in servers]
+    first = Redlock(masters, "first", timeout=10, node_timeout=0.5)
+    second = Redlock(masters, "second", timeout=10, node_timeout=0.5)
+    warm(first)
+    warm(second)
+    count = Volley._count
+    interleaved: list[bool] = []
+
+    def count_after_another_round(self, *args):
+        if not interleaved:
+            # What another greenlet does while this round waits in poll().
+            taken = second.acquire(blocking=False)
+            interleaved.append(taken)
+            if taken:
+                second.release()
+        return count(self, *args)
+
+    monkeypatch.setattr(Volley, "_count", count_after_another_round)
+    # A round goes out as a volley once the thread's lanes are all ready.
+    for _ in range(20):
+        assert first.acquire(blocking=False), first.local.failure
+        if interleaved:
+            break
+        first.release()
+    assert interleaved == [True], "no round went out as a volley, or the second failed"
+    check = [s.client() for s in servers]
+    assert [c.get("first") for c in check] == [first.token] * 3
+    first.release()
+    assert wait_until(lambda: all(c.get("first") is None for c in check), timeout=3)
+    assert all(c.get("second") is None for c in check)
+
+
+class Interrupted(BaseException):
+    """Stands for a signal handler's or a time limit's exception (not an ``Exception``)."""
+
+
+@pytest.mark.timeout(30)
+def test_a_round_interrupted_while_waiting_leaves_its_lanes_to_the_next_rounds(
+    redis_servers, monkeypatch
+):
+    """A signal or time limit raised while a round waits: the lanes owe, and serve again.
+
+    The interrupted round's replies stay owed on the thread's connections and
+    are read first by the next round on them; left marked busy, the lanes
+    would never carry a round of this thread again (every later round would
+    take other connections, and the owed replies would never be read).
+    """
+    servers = redis_servers(3)
+    masters = [s.client() for s in servers]
+    first = Redlock(masters, "first", timeout=10)
+    second = Redlock(masters, "second", timeout=10)
+    warm(first)
+    warm(second)
+    count = Volley._count
+    volleys: list[str] = []
+
+    def count_or_interrupt(self, *args):
+        if not volleys:
+            volleys.append("interrupted")
+            raise Interrupted  # arrives while the replies are on their way
+        volleys.append("counted")
+        return count(self, *args)
+
+    monkeypatch.setattr(Volley, "_count", count_or_interrupt)
+    # A round goes out as a volley once the thread's lanes are all ready.
+    for _ in range(20):
+        try:
+            assert first.acquire(blocking=False), first.local.failure
+            first.release()
+        except Interrupted:
+            break
+    assert volleys == ["interrupted"]
+    lanes = first._masters.lanes()
+    # Free, and owing the interrupted round's reply (behind any a round
+    # before it left unread).
+    assert [(lane.busy, lane.owed >= 1) for lane in lanes] == [(False, True)] * 3
+    for _ in range(3):
+        assert second.acquire(blocking=False), second.local.failure
+        second.release()
+    # (Under load a round may still take the general path: its replies came
+    # later than the node timeout.)
+    assert "counted" in volleys, volleys
