@@ -288,8 +288,11 @@ def test_eta_task_keeps_its_enqueue_lock_until_it_runs(
         held.append((time.monotonic() - published, holder_of(db9, key), task.delay(5).id))
         time.sleep(0.05)
     assert time.monotonic() - published >= 4.5
-    assert held[-1][0] > 4, "sampled until shortly before it ran"
-    assert all(holder == result.id and dup == result.id for _, holder, dup in held)
+    # Judged before the eta only: a sample taken as the run ends (after the
+    # loop's last look for its start) may find the lock already released.
+    before_eta = [sample for sample in held if sample[0] < 4.8]
+    assert before_eta[-1][0] > 4, "sampled until shortly before it ran"
+    assert all(holder == result.id and dup == result.id for _, holder, dup in before_eta)
     assert result.get(timeout=10) == 5
     assert not db9.exists(key)
     assert not db9.exists(modes.lapsed_key(prefix))
