@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import redis.asyncio.lock
+
 from celery_redlock.core.exceptions import LockError
 from celery_redlock.core.hold import lock_not_acquired
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
@@ -173,7 +175,11 @@ class Lock(ReleasableLock):
         # The wait is measured on the loop's clock, as asyncio.sleep and
         # asyncio.timeout measure it (a virtual-time test loop included); lock
         # validity stays on the real clock, which the server's TTL runs on.
-        now = asyncio.get_running_loop().time
+        # Both come from the asyncio that redis-py's asyncio lock module sees,
+        # as its Lock's wait does: a test that fakes that module's time for
+        # redis-py's lock (patching its ``asyncio``) fakes it for this one too.
+        timer = getattr(redis.asyncio.lock, "asyncio", asyncio)
+        now = timer.get_running_loop().time
         stop_trying_at = None
         if blocking_timeout is not None:
             stop_trying_at = now() + blocking_timeout
@@ -191,7 +197,7 @@ class Lock(ReleasableLock):
             delay = self._retry_delay(sleep)
             if stop_trying_at is not None and now() + delay > stop_trying_at:
                 return False
-            await asyncio.sleep(delay)
+            await timer.sleep(delay)
             retry = True
 
     def _retry_delay(self, sleep: Number) -> float:

@@ -18,8 +18,11 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import redis.lock
 
 from . import replication as replicated
 from .exceptions import LockError
@@ -172,11 +175,14 @@ class Lock(PerThreadLock):
         local = self.local
         local.place = None
         stop_trying_at = None
+        clock: Clock = self._clock
+        pause: Callable[[float], None] = time.sleep
         if blocking:  # a single attempt (every task's) needs neither the clock nor the sleep
+            clock, pause = waiting_time(clock)
             if blocking_timeout is None:
                 blocking_timeout = self.blocking_timeout
             if blocking_timeout is not None:
-                stop_trying_at = self._clock() + blocking_timeout
+                stop_trying_at = clock() + blocking_timeout
         while True:
             if place is None:
                 acquired = self.do_acquire(encoded)
@@ -192,10 +198,10 @@ class Lock(PerThreadLock):
             if not blocking:
                 return False
             delay = self._retry_delay(self.sleep if sleep is None else sleep)
-            next_try_at = self._clock() + delay
+            next_try_at = clock() + delay
             if stop_trying_at is not None and next_try_at > stop_trying_at:
                 return False
-            time.sleep(delay)
+            pause(delay)
 
     def _retry_delay(self, sleep: Number) -> float:
         """Seconds to wait before the next attempt of a blocking acquire."""
@@ -369,3 +375,19 @@ class Lock(PerThreadLock):
 
 
 _PLAIN = Lock.do_acquire
+
+
+def waiting_time(clock: Clock) -> tuple[Clock, Callable[[float], None]]:
+    """The clock and the sleep that a blocking acquire waits with.
+
+    With the default clock, those of redis-py's lock module
+    (``redis.lock.mod_time``, looked up at every acquire), which redis-py's
+    own ``Lock`` waits with: a test that fakes the time of redis-py's lock by
+    patching that module fakes it for this lock too, as it should for a lock
+    passed as ``client.lock(name, lock_class=Lock)``. A clock given to the
+    lock is used as it is, with ``time.sleep``.
+    """
+    if clock is not time.monotonic:
+        return clock, time.sleep
+    timer = getattr(redis.lock, "mod_time", time)
+    return timer.monotonic, timer.sleep

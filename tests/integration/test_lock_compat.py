@@ -236,3 +236,52 @@ def test_release_error_can_be_downgraded_to_a_warning(client, lock_class, caplog
     with lock_class(client, "foo", timeout=10, raise_on_release_error=False):
         client.set("foo", "other")
     assert as_bytes(client.get("foo")) == b"other"
+
+
+class VirtualTime:
+    """Stands in for the ``time`` module of redis-py's lock: a clock that only sleeps move."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps = []
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_blocking_wait_runs_on_the_time_a_test_fakes_for_redis_py(client, lock_class, monkeypatch):
+    """A test that fakes time for redis-py's lock (its module's ``mod_time``) fakes it for both.
+
+    Powers of two keep the virtual clock exact: four sleeps of 0.125 s reach the
+    0.5 s blocking timeout, and a fifth would pass it.
+    """
+    virtual = VirtualTime()
+    monkeypatch.setattr(redis.lock, "mod_time", virtual)
+    holder = make(client, lock_class)
+    assert holder.acquire(blocking=False)
+    waiter = make(client, lock_class, blocking_timeout=0.5, sleep=0.125)
+    assert not waiter.acquire()
+    assert virtual.sleeps == [0.125] * 4
+    assert virtual.now == 0.5
+    with pytest.raises(LockError), make(client, lock_class, blocking_timeout=0.25, sleep=0.125):
+        pass
+    assert virtual.sleeps == [0.125] * 6
+    holder.release()
+
+
+def test_a_lock_given_its_own_clock_waits_on_it(redis_server, monkeypatch):
+    """A clock passed to celery-redlock's lock measures its blocking wait, not redis-py's time."""
+    monkeypatch.setattr(redis.lock, "mod_time", VirtualTime())
+    virtual = VirtualTime()
+    monkeypatch.setattr("time.sleep", virtual.sleep)
+    client = redis_server.client()
+    assert celery_redlock.Lock(client, "foo").acquire(blocking=False)
+    waiter = celery_redlock.Lock(
+        client, "foo", blocking_timeout=0.5, sleep=0.125, clock=lambda: virtual.now
+    )
+    assert not waiter.acquire()
+    assert virtual.sleeps == [0.125] * 4

@@ -328,3 +328,42 @@ def test_blocking_timeout_is_measured_on_the_running_loops_clock(redis_server):
         assert loop.run_until_complete(scenario()) is False
     finally:
         loop.close()
+
+
+class VirtualLoopTime:
+    """Stands in for the ``asyncio`` that redis-py's asyncio lock module sees: virtual time."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps = []
+
+    def get_running_loop(self):
+        return self
+
+    def time(self):
+        return self.now
+
+    async def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_blocking_wait_runs_on_the_time_a_test_fakes_for_redis_py(arun, lock_class, monkeypatch):
+    """A test that fakes the loop time of redis-py's asyncio lock fakes it for both locks."""
+    virtual = VirtualLoopTime()
+
+    async def scenario(client):
+        holder = make(client, lock_class)
+        assert await holder.acquire(blocking=False)
+        monkeypatch.setattr(redis.asyncio.lock, "asyncio", virtual)
+        try:
+            waiter = make(client, lock_class, blocking_timeout=0.5, sleep=0.125)
+            assert not await waiter.acquire()
+        finally:
+            monkeypatch.undo()
+        await holder.release()
+
+    arun(scenario)
+    # Powers of two keep the virtual clock exact: four sleeps reach the timeout.
+    assert virtual.sleeps == [0.125] * 4
+    assert virtual.now == 0.5
