@@ -7,6 +7,13 @@ majority answered (the rest are read before the next request to that master).
 No timeouts, no error handling, no fences, no validity: whatever a real Redlock
 client costs above this is its own; what this costs is the transport, the
 servers and the machine.
+
+With ``scripts=True`` (the "script floor") the same client sends
+celery-redlock's own acquire script (``SET NX PX`` and a fence drawn from the
+store's counter) and release script instead: the masters' work of a fenced
+Redlock round, still without its client. Fences are not compared across
+masters, so the second round trip a fenced Redlock makes when its masters'
+counters disagree (rare once they are in step) is not in it.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ class FanoutFloor:
         key: The lock key.
     """
 
-    def __init__(self, ports: Sequence[int], key: str) -> None:
+    def __init__(self, ports: Sequence[int], key: str, scripts: bool = False) -> None:
         self.masters = [_Master(port) for port in ports]
         self.needed = len(self.masters) // 2 + 1
         self.by_fd = {m.sock.fileno(): m for m in self.masters}
@@ -51,6 +58,19 @@ class FanoutFloor:
             redis.Redis(port=port).script_load(RAW_RELEASE_LUA)
         self.key = key.encode()
         self.sha = sha.encode() if isinstance(sha, str) else sha
+        self.scripts = scripts
+        if scripts:
+            # Loaded the way any client would, then sent by SHA like the library.
+            from celery_redlock.core.scripts import ACQUIRE, RELEASE
+
+            for port in ports:
+                client = redis.Redis(port=port)
+                client.script_load(ACQUIRE.source)
+                client.script_load(RELEASE.source)
+                client.close()
+            self.acquire_sha = ACQUIRE.sha.encode()
+            self.release_sha = RELEASE.sha.encode()
+            self.fence_key = self.key + b":fence"
 
     def _round(self, packed: bytes) -> int:
         """Send ``packed`` to every master; return how many of the first majority said 1/OK."""
@@ -69,16 +89,25 @@ class FanoutFloor:
                     master.owed -= 1
                     if master.owed == 0 and answered < self.needed:
                         answered += 1
-                        agreed += reply in (b"OK", 1)
+                        # OK from SET NX, 1 from a release, a fence (> 0) from the script.
+                        agreed += reply == b"OK" or (type(reply) is int and reply > 0)
         return agreed
 
     def cycle(self) -> None:
         """One acquire (SET NX PX) and one release (compare-and-delete) on a majority."""
         token = secrets.token_hex(16).encode()
-        acquire = hiredis.pack_command((b"SET", self.key, token, b"NX", b"PX", TTL_MS))
+        if self.scripts:
+            acquire = hiredis.pack_command(
+                (b"EVALSHA", self.acquire_sha, 2, self.key, self.fence_key, token, TTL_MS,
+                 3_600_000, b"0")
+            )  # fmt: skip
+            release = (b"EVALSHA", self.release_sha, 1, self.key, token, b"0")
+        else:
+            acquire = hiredis.pack_command((b"SET", self.key, token, b"NX", b"PX", TTL_MS))
+            release = (b"EVALSHA", self.sha, 1, self.key, token)
         if self._round(acquire) < self.needed:
             raise BenchError("the floor's uncontended acquire failed")
-        self._round(hiredis.pack_command((b"EVALSHA", self.sha, 1, self.key, token)))
+        self._round(hiredis.pack_command(release))
 
     def close(self) -> None:
         """Close the sockets."""

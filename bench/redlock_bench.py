@@ -58,6 +58,7 @@ FIVE = "Redlock, 5 masters"
 POTTERY = "pottery Redlock, 5 masters"
 FLOOR_ONE = "raw floor, 1 master"
 FLOOR_FIVE = "raw fan-out floor, 5 masters"
+SCRIPT_FLOOR_FIVE = "script fan-out floor, 5 masters"
 #: Cores the masters and the client share; the CPU bound divides by this.
 CORES = len(os.sched_getaffinity(0))
 LATENCY_TARGET = 1.5
@@ -96,6 +97,8 @@ def contenders(clients: list[redis.Redis], ports: list[int]) -> dict[str, Cycle]
         # What the transport, the servers and the machine cost without any library.
         FLOOR_ONE: FanoutFloor(ports[:1], "bench:floor1").cycle,
         FLOOR_FIVE: FanoutFloor(ports, "bench:floor5").cycle,
+        # The same with the library's two scripts: the masters' work of a fenced round.
+        SCRIPT_FLOOR_FIVE: FanoutFloor(ports, "bench:scriptfloor5", scripts=True).cycle,
     }
 
 
@@ -144,8 +147,11 @@ def run(clients: list[redis.Redis], ports: list[int], args: argparse.Namespace) 
             break
     rows = summarize(blocks)
     for name, row in rows.items():
-        row["client_user_us"] = statistics.median(user for user, _ in splits[name])
-        row["client_sys_us"] = statistics.median(system for _, system in splits[name])
+        # The kernel splits a process's CPU into user and system time by sampling
+        # at each timer tick, a few dozen per block: the mean over rounds, unlike
+        # the median of so coarse a reading, converges on the true split.
+        row["client_user_us"] = statistics.fmean(user for user, _ in splits[name])
+        row["client_sys_us"] = statistics.fmean(system for _, system in splits[name])
     return rows
 
 
@@ -288,10 +294,28 @@ def analysis(rows: dict[str, dict[str, float]]) -> list[str]:
         "source, so that a `NOSCRIPT` reply nobody reads can never drop it. On two cores "
         "that CPU queues behind the client's, which is why Redlock's p50 stays further "
         "above the floor's than its own CPU alone explains.",
+        *script_floor(rows),
         "- On separate hosts (what Redlock is for) each master has its own CPU, the "
         "servers' work overlaps instead of queueing, and the cost that remains is the "
         "client's: one write and one read per master.",
         "",
+    ]
+
+
+def script_floor(rows: dict[str, dict[str, float]]) -> list[str]:
+    """What the fenced scripts cost the masters, from the script floor, in numbers."""
+    five, floor5, scripts = rows[FIVE], rows[FLOOR_FIVE], rows[SCRIPT_FLOOR_FIVE]
+    over_p50 = five["p50_us"] / scripts["p50_us"]
+    over_user = five["client_user_us"] / max(scripts["client_user_us"], 1e-9)
+    return [
+        f"- The script floor (the raw floor's client sending celery-redlock's own acquire, "
+        f"which draws a fence, and release scripts) takes {scripts['p50_us']:.0f} µs: "
+        f"{scripts['floor_p50_ratio']:.2f}x the raw floor's p50 (paired), with "
+        f"{scripts['server_cpu_us']:.0f} µs of server CPU against the raw floor's "
+        f"{floor5['server_cpu_us']:.0f}. Fenced Redlock is {over_p50:.2f}x the script "
+        f"floor's p50 (pooled) and its client user CPU {over_user:.1f}x the script floor's: "
+        "what is above the script floor is the client's; what is between the two floors "
+        "is the masters' work for fences.",
     ]
 
 

@@ -25,7 +25,10 @@ says), and ``floor`` (``bench.floor``: a plain task with two library-free
 round trips to the lock store around its body, the least two commands cost)
 and ``floor_scripts`` (the same with celery-redlock's own two scripts).
 ``--old PATH`` also counts ``task`` and ``skip`` for the package at PATH (a
-checkout of another revision), in the same run. Instructions are
+checkout of another revision), in the same run. ``--ablate`` also counts
+``task`` with one of its parts made a no-op at a time (see ``ABLATIONS``),
+then with all of them: what each part of the task path costs, and what is left
+to the lock and the guard once they are gone. Instructions are
 user-space only: the system calls of the round trips are not in them, which
 is why the wall-clock benchmark still decides the throughput targets.
 """
@@ -57,6 +60,48 @@ VARIANTS = {
 PROCESS_TIME_SYMBOL = "time_process_time"
 
 
+def _ablate_events() -> None:
+    from celery_redlock.celery import events
+
+    events.send_acquired = lambda *args, **kwargs: None  # type: ignore[assignment]
+    events.send_released = lambda *args, **kwargs: None  # type: ignore[assignment]
+
+
+def _ablate_watch() -> None:
+    from celery_redlock.core.renewal import Watchdog
+
+    Watchdog.watch = lambda self, lease: None  # type: ignore[method-assign]
+
+
+def _ablate_holder() -> None:
+    from celery_redlock.core.holder import Holder
+
+    Holder.new_value = staticmethod(lambda task_id, *args, **kwargs: task_id)  # type: ignore[method-assign]
+
+
+def _ablate_key() -> None:
+    from celery_redlock.core.keys import KeyBuilder
+
+    KeyBuilder.key_for = lambda self, args, kwargs: f"{self.prefix}:{args[0]}"  # type: ignore[method-assign]
+
+
+def _ablate_queue() -> None:
+    from celery_redlock.celery import task
+
+    task.locked_queue = lambda task: None  # type: ignore[assignment]
+
+
+#: The parts of the task path ``--ablate`` takes out one at a time, each made a
+#: no-op (the task still takes and releases its lock): what each one costs.
+ABLATIONS = {
+    "events": ("the lock counters and signals (stats, metrics)", _ablate_events),
+    "watch": ("registering the lease with the renewal watchdog", _ablate_watch),
+    "holder": ("the holder value (task id, host, pid, TTL, queue, time)", _ablate_holder),
+    "key": ("the key from the call's signature (canonical JSON, SHA-256)", _ablate_key),
+    "queue": ("looking up the locked queue the task came from", _ablate_queue),
+}
+
+
 def probe(variant: str, url: str, calls: int) -> None:
     """Run ``calls`` traced tasks of ``variant`` between two ``time.process_time`` calls."""
     os.environ.update(BENCH_TASK_BROKER=url, BENCH_TASK_LOCK_URL=url)
@@ -69,6 +114,11 @@ def probe(variant: str, url: str, calls: int) -> None:
     trace.setup_worker_optimizations(app, hostname="probe")
     stats.enable(app, 2)
     metrics.enable(app, 2)
+    if variant.startswith("task-without-"):
+        parts = variant.removeprefix("task-without-")
+        for part in ABLATIONS if parts == "all" else [parts]:
+            ABLATIONS[part][1]()
+        variant = "task"
     name = VARIANTS[variant]
     tracer = trace.build_tracer(name, app.tasks[name], app=app, eager=False)
     if variant == "skip":
@@ -118,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=300, help="counted tasks per variant")
     parser.add_argument("--skip-calls", type=int, default=100, help="counted skips")
     parser.add_argument("--old", default=None, help="checkout of another revision to compare")
-    parser.add_argument("--probe", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--ablate", action="store_true", help="count each part of the task path")
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
@@ -140,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 calls = args.skip_calls if variant == "skip" else args.calls
                 rows[(side, variant)] = count(tree, variant, url, calls, Path(tmp))
                 print(f"{side} {variant}: {rows[(side, variant)]:,.0f}", file=sys.stderr)
+        for part in [*ABLATIONS, "all"] if args.ablate else []:
+            variant = f"task-without-{part}"
+            rows[("new", variant)] = count(ROOT, variant, url, args.calls, Path(tmp))
+            print(f"new {variant}: {rows[('new', variant)]:,.0f}", file=sys.stderr)
     plain = rows[("new", "plain")]
     print("| variant | instructions/task | over plain |")
     print("|---|---:|---:|")
@@ -147,7 +202,26 @@ def main(argv: list[str] | None = None) -> int:
         label = f"{variant} ({side})" if args.old else variant
         over = "-" if variant in ("plain", "skip") else f"{value - plain:+,.0f}"
         print(f"| {label} | {value:,.0f} | {over} |")
+    if args.ablate:
+        print_ablation(rows)
     return 0
+
+
+def print_ablation(rows: dict[tuple[str, str], float]) -> None:
+    """What each part of the task path costs, and what the lock and guard cost without them."""
+    task = rows[("new", "task")]
+    print("\n| part made a no-op | instructions/task saved |")
+    print("|---|---:|")
+    for part, (what, _) in ABLATIONS.items():
+        print(f"| {part}: {what} | {task - rows[('new', f'task-without-{part}')]:,.0f} |")
+    bare = rows[("new", "task-without-all")]
+    print(f"| all of them | {task - bare:,.0f} |")
+    floor = rows[("new", "floor_scripts")]
+    print(
+        f"\nWithout them a task costs {bare - rows[('new', 'plain')]:+,.0f} over plain, "
+        f"{bare - floor:+,.0f} over the script floor: the lock and the guard themselves "
+        "(the lock object, the scripts' call path, the lease, the guarded routine)."
+    )
 
 
 if __name__ == "__main__":
