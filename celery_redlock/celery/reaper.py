@@ -1,9 +1,10 @@
-"""The continuous reaper: a running worker frees the locks whose holder is provably dead.
+"""The continuous reaper: a running worker frees locks and permits of provably dead holders.
 
 Stale-lock recovery (:mod:`celery_redlock.core.recovery`) runs once, when a worker
 starts again under the same node name. The reaper runs in every worker's
 main process, every ``redlock_reaper_interval`` seconds, and releases a task
-lock only on one of two kinds of proof:
+lock, or one permit of a semaphore (``lock_limit`` above 1), only on one of
+two kinds of proof, the same for both:
 
 * **pid gone**: the value names this very worker (node name *and* host) and a
   process that no longer exists here. That is a pool process killed while it
@@ -13,19 +14,21 @@ lock only on one of two kinds of proof:
   in another pid namespace (a container sharing the host's network and name),
   where a pid missing here proves nothing. That worker's own reaper judges it.
 * **worker silent**: the holder's worker has not answered a ping for
-  ``redlock_reaper_unresponsive_after`` seconds *and* the lock's TTL shows
-  that its renewals stopped: more than half of it is gone since the last
-  renewal, while the watchdog renews every third. A worker that is merely busy
-  (a solo pool running a long task cannot answer a ping) still renews, so its
-  locks never meet the second condition.
+  ``redlock_reaper_unresponsive_after`` seconds *and* the lock's (or the
+  permit's own) TTL shows that its renewals stopped: more than half of it is
+  gone since the last renewal, while the watchdog renews every third. A worker
+  that is merely busy (a solo pool running a long task cannot answer a ping)
+  still renews, so its locks and permits never meet the second condition.
 
 Anything else is left to its TTL: a holder on another host that answers, or
 whose renewals go on; a value without the holder's host, pid or TTL (format
 ``v1``, enqueue reservations, locks taken outside a worker). Each release is
-a compare-and-delete of the exact value read, which for the second kind also
-checks again that the TTL is still past the renewal deadline, so a holder
-that renewed meanwhile keeps its lock. Every release is logged at WARNING
-with its evidence and counted (``celery_redlock_reaped_total``).
+a compare-and-delete of the exact value (or permit) read, which for the second
+kind also checks again that the TTL is still past the renewal deadline, so a
+holder that renewed meanwhile keeps its lock; a permit released or granted
+again meanwhile stays, and so do the semaphore's other permits (see
+:mod:`celery_redlock.core.reclaim`). Every release is logged at WARNING with
+its evidence and counted (``celery_redlock_reaped_total``).
 """
 
 from __future__ import annotations
@@ -38,14 +41,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from celery_redlock.core.inventory import LockInfo, clients_of, find_locks
-from celery_redlock.core.lua import Arg, Script
+from celery_redlock.core.holder import Holder
+from celery_redlock.core.inventory import LockInfo, PermitInfo, clients_of, find_locks
+from celery_redlock.core.reclaim import delete_permit, reap_lock
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
 from celery_redlock.core.store import LockStore
 
 __all__ = [
     "OVERDUE_SHARE",
     "REASONS",
+    "Reaped",
     "Reaper",
     "SilenceTracker",
     "Verdict",
@@ -55,9 +60,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: A lock was reaped because its holder, a process of this worker, is gone.
+#: A lock or permit was reaped because its holder, a process of this worker, is gone.
 PID_GONE = "pid_gone"
-#: A lock was reaped because its holder's worker fell silent and stopped renewing it.
+#: A lock or permit was reaped because its holder's worker fell silent and stopped renewing it.
 WORKER_SILENT = "worker_silent"
 #: Why a lock can be reaped, as the metrics count it.
 REASONS = (PID_GONE, WORKER_SILENT)
@@ -70,44 +75,15 @@ OVERDUE_SHARE = 0.5
 PING_TIMEOUT = 1.0
 
 
-def _never_resend(args: Sequence[Arg]) -> None:
-    # A second run after a lost reply finds the key gone and answers 0: the
-    # pass would report a reaped lock as kept. The next pass reads again.
-    return None
-
-
-# Delete a lock held by a dead holder: only the value read, and only while its
-# TTL is still past the renewal deadline, so a holder that renewed meanwhile
-# (it was alive after all) keeps its lock.
-#
-# KEYS[1]  lock key
-# ARGV[1]  the value read
-# ARGV[2]  the most PTTL (ms) the lock may have left to be deleted; "-1": any
-# Returns  1 when the lock was deleted, 0 otherwise. Not resent after a lost reply.
-REAP = Script(
-    "reap",
-    """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return 0
-end
-local limit = tonumber(ARGV[2])
-if limit >= 0 and redis.call('PTTL', KEYS[1]) > limit then
-  return 0
-end
-return redis.call('DEL', KEYS[1])
-""",
-    resend=_never_resend,
-)
-
-
 @dataclass(frozen=True)
 class Verdict:
-    """Why a lock may be released.
+    """Why a lock or permit may be released.
 
     Attributes:
         reason: One of :data:`REASONS`.
         evidence: One sentence naming what was checked.
-        max_pttl_ms: The most PTTL the lock may have left when deleted (-1: any).
+        max_pttl_ms: The most time (ms) the lock or permit may have left when
+            deleted (-1: any).
     """
 
     reason: str
@@ -115,8 +91,12 @@ class Verdict:
     max_pttl_ms: int = -1
 
 
-def renewal_overdue(info: LockInfo) -> bool:
-    """``True`` if ``info``'s TTL shows its renewals stopped (see :data:`OVERDUE_SHARE`)."""
+def renewal_overdue(info: LockInfo | PermitInfo) -> bool:
+    """``True`` if ``info``'s TTL shows its renewals stopped (see :data:`OVERDUE_SHARE`).
+
+    For a permit that is the permit's own TTL, whatever the semaphore's other
+    permits have left.
+    """
     holder = info.holder
     if holder is None or not holder.ttl_ms or info.ttl is None:
         return False
@@ -124,7 +104,7 @@ def renewal_overdue(info: LockInfo) -> bool:
 
 
 def judge(
-    info: LockInfo,
+    info: LockInfo | PermitInfo,
     *,
     node: str,
     host: str,
@@ -132,10 +112,10 @@ def judge(
     unresponsive_after: float,
     alive: Callable[[int], bool] = pid_alive,
 ) -> Verdict | None:
-    """Decide whether ``info``'s holder is provably dead; ``None`` keeps the lock.
+    """Decide whether ``info``'s holder is provably dead; ``None`` keeps the lock or permit.
 
     Args:
-        info: The lock as read.
+        info: The lock, or one permit of a semaphore, as read.
         node: The judging worker's node name.
         host: The judging worker's host name.
         silent_for: Seconds a worker node has failed to answer pings (``None``:
@@ -144,7 +124,9 @@ def judge(
         alive: Tells whether a pid on this host is alive.
     """
     holder = info.holder
-    if info.kind != "lock" or holder is None or holder.host is None or not holder.ttl_ms:
+    if isinstance(info, LockInfo) and info.kind != "lock":
+        return None  # a reservation names its publisher; a semaphore, its permits
+    if holder is None or holder.host is None or not holder.ttl_ms:
         return None
     if holder.hostname == node:
         if holder.host == host and not alive(holder.pid):
@@ -160,10 +142,11 @@ def judge(
         return None
     assert info.ttl is not None  # renewal_overdue() needs it
     ttl = holder.ttl_ms / 1000
+    what = "permit" if isinstance(info, PermitInfo) else "lock"
     return Verdict(
         WORKER_SILENT,
         f"worker {holder.hostname} (host {holder.host}) has not answered a ping for "
-        f"{silence:.1f}s (limit {unresponsive_after:g}s) and the lock was last renewed "
+        f"{silence:.1f}s (limit {unresponsive_after:g}s) and the {what} was last renewed "
         f"{ttl - info.ttl:.1f}s ago ({info.ttl:.1f}s of its {ttl:g}s TTL left; renewed "
         f"every {ttl / 3:.1f}s while its holder runs)",
         int(holder.ttl_ms * OVERDUE_SHARE),
@@ -206,13 +189,39 @@ class SilenceTracker:
                 del self._since[node]
 
 
+@dataclass(frozen=True)
+class Reaped:
+    """A lock, or one permit of a semaphore, that the reaper released.
+
+    Attributes:
+        info: The lock or semaphore as read.
+        verdict: The proof its holder was dead.
+        permit: The permit released, ``None`` for a lock.
+    """
+
+    info: LockInfo
+    verdict: Verdict
+    permit: PermitInfo | None = None
+
+    @property
+    def holder(self) -> Holder | None:
+        """The dead holder: of the permit, or of the lock."""
+        return self.permit.holder if self.permit is not None else self.info.holder
+
+    def describe(self) -> str:
+        """``lock KEY`` or ``permit SLOT of semaphore KEY``, as the log names it."""
+        if self.permit is None:
+            return f"lock {self.info.key}"
+        return f"permit {self.permit.slot} of semaphore {self.info.key}"
+
+
 def _ping(app: Any, nodes: Sequence[str], timeout: float) -> set[str]:
     replies = app.control.ping(destination=list(nodes), timeout=timeout) or ()
     return {node for reply in replies for node in reply}
 
 
 class Reaper:
-    """Scans the lock store from a daemon thread and releases the locks of dead holders.
+    """Scans the lock store from a daemon thread and releases the locks and permits of dead holders.
 
     Args:
         app: The worker's app.
@@ -222,7 +231,7 @@ class Reaper:
         store: The lock store to scan; the reaper's own client, not shared
             with pool processes (a fork while it is in use must not hand them
             a pool in mid-operation).
-        on_reaped: Called with the reason of each lock released.
+        on_reaped: Called with the reason of each lock or permit released.
         on_pass: Called after each pass that read the store.
         ping: ``(app, nodes, timeout) -> nodes that answered``.
     """
@@ -274,8 +283,8 @@ class Reaper:
             except Exception as exc:  # the thread must outlive a bad pass
                 logger.warning("celery-redlock: reaper pass failed: %r", exc)
 
-    def run_once(self) -> list[tuple[LockInfo, Verdict]]:
-        """Make one pass; return the locks released with their verdicts.
+    def run_once(self) -> list[Reaped]:
+        """Make one pass; return the locks and permits released with their verdicts.
 
         Raises:
             redis.exceptions.RedisError: When the lock store fails.
@@ -283,31 +292,36 @@ class Reaper:
         clients = clients_of(self.store)
         locks: dict[str, LockInfo] = {}
         for client in clients:
-            for info in find_locks(client, lock_prefixes(self.app)):
+            for info in find_locks(client, lock_prefixes(self.app), semaphores=True):
                 locks.setdefault(info.key, info)
-        self._ask_silent(locks.values())
+        # A lock is judged whole; a semaphore permit by permit, each on its own holder.
+        held = [(info, permit) for info in locks.values() for permit in info.permits or (None,)]
+        self._ask_silent([permit or info for info, permit in held])
         released = []
-        for info in locks.values():
+        for info, permit in held:
             verdict = judge(
-                info,
+                permit or info,
                 node=self.node,
                 host=self.host,
                 silent_for=self.silence.silent_for,
                 unresponsive_after=self.unresponsive_after,
             )
-            if verdict is not None and self._release(clients, info, verdict):
-                released.append((info, verdict))
+            if verdict is None:
+                continue
+            reaped = Reaped(info, verdict, permit)
+            if self._release(clients, reaped):
+                released.append(reaped)
         self.last_pass = time.monotonic()
         self._on_pass()
         return released
 
-    def _ask_silent(self, locks: Iterable[LockInfo]) -> None:
-        # Only the workers of locks whose renewals stopped are pinged: a
-        # healthy store costs no ping at all.
+    def _ask_silent(self, held: Iterable[LockInfo | PermitInfo]) -> None:
+        # Only the workers of locks and permits whose renewals stopped are
+        # pinged: a healthy store costs no ping at all.
         nodes = sorted(
             {
                 info.holder.hostname
-                for info in locks
+                for info in held
                 if info.holder is not None
                 and info.holder.hostname != self.node
                 and renewal_overdue(info)
@@ -317,21 +331,22 @@ class Reaper:
         if nodes:
             self.silence.heard(nodes, self._ping(self.app, nodes, PING_TIMEOUT))
 
-    def _release(self, clients: Sequence[Any], info: LockInfo, verdict: Verdict) -> bool:
-        deleted = sum(
-            int(REAP(client, (info.key,), (info.value, str(verdict.max_pttl_ms))))
-            for client in clients
-        )
+    def _release(self, clients: Sequence[Any], reaped: Reaped) -> bool:
+        info, verdict, permit = reaped.info, reaped.verdict, reaped.permit
+        if permit is None:
+            deleted = sum(int(reap_lock(c, info, verdict.max_pttl_ms)) for c in clients)
+        else:
+            deleted = sum(int(delete_permit(c, info, permit, verdict.max_pttl_ms)) for c in clients)
         if not deleted:
             return False
-        holder = info.holder
+        holder = reaped.holder
         assert holder is not None
         logger.warning(
-            "celery-redlock: reaper released lock %s of task %s[%s] (fence %s): %s",
-            info.key,
+            "celery-redlock: reaper released %s of task %s[%s] (fence %s): %s",
+            reaped.describe(),
             info.task,
             holder.task_id,
-            info.fence,
+            info.fence if permit is None else permit.fence,
             verdict.evidence,
         )
         self._on_reaped(verdict.reason)

@@ -1,11 +1,14 @@
-"""Stale-lock recovery: a restarted worker frees the locks its previous incarnation left.
+"""Stale-lock recovery: a restarted worker frees the locks and permits its previous run left.
 
 A worker killed outright (``kill -9``, OOM, power loss of a container) leaves
 its locks to expire with their TTL. When a worker starts it knows who it was:
 its node name and host. A lock whose value names that node and host, and a
 process that no longer exists there, can only belong to a dead earlier
 incarnation, so it is deleted at once, with a compare-and-delete of the exact
-value read, so a lock taken again meanwhile stays. Locks of any other node or
+value read, so a lock taken again meanwhile stays. A semaphore's permits
+(``lock_limit`` above 1) are judged one by one on the same rule, and each is
+removed alone (:func:`~celery_redlock.core.reclaim.delete_permit`): the
+semaphore's other holders keep theirs. Locks of any other node or
 host, of a live process, or whose value does not record its host (format
 ``v1``) are never touched: they expire on their own. Nor are values without
 a TTL: only a running task's execution lock records its TTL, while an enqueue
@@ -19,9 +22,12 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
-from .inventory import LockInfo, find_locks
+from .holder import Holder
+from .inventory import LockInfo, PermitInfo, find_locks
+from .reclaim import delete_permit
 from .scripts import RELEASE
 
 __all__ = ["lock_prefixes", "pid_alive", "recover_stale", "stale_for"]
@@ -82,9 +88,9 @@ def lock_prefixes(app: Any) -> list[str]:
 
 
 def stale_for(
-    info: LockInfo, node: str, host: str, alive: Callable[[int], bool] = pid_alive
+    info: LockInfo | PermitInfo, node: str, host: str, alive: Callable[[int], bool] = pid_alive
 ) -> bool:
-    """Return ``True`` if ``info`` was left by a dead process of worker ``node`` on ``host``."""
+    """``True`` if lock or permit ``info`` was left by a dead process of ``node`` on ``host``."""
     holder = info.holder
     if holder is None or holder.host is None or not holder.ttl_ms:
         return False
@@ -98,7 +104,9 @@ def recover_stale(
     host: str | None = None,
     alive: Callable[[int], bool] = pid_alive,
 ) -> list[LockInfo]:
-    """Delete the locks a dead earlier incarnation of worker ``node`` left; return them.
+    """Delete the locks and permits a dead earlier run of worker ``node`` left; return them.
+
+    A permit comes back as its semaphore with that one permit in ``permits``.
 
     Args:
         client: The lock store.
@@ -112,20 +120,37 @@ def recover_stale(
     """
     host = host or socket.gethostname()
     released: list[LockInfo] = []
-    for info in find_locks(client, prefixes):
-        if not stale_for(info, node, host, alive):
-            continue
-        if RELEASE(client, (info.key,), (info.value, "0")):
+    for info in find_locks(client, prefixes, semaphores=True):
+        if info.permits is not None:
+            released += _recover_permits(client, info, node, host, alive)
+        elif stale_for(info, node, host, alive) and RELEASE(client, (info.key,), (info.value, "0")):
             assert info.holder is not None
-            logger.warning(
-                "celery-redlock: released stale lock %s of task %s[%s] (pid %d of an earlier "
-                "run of %s is gone; fence %s)",
-                info.key,
-                info.task,
-                info.holder.task_id,
-                info.holder.pid,
-                node,
-                info.fence,
-            )
+            _log(f"lock {info.key}", info.task, info.holder, node, info.fence)
             released.append(info)
     return released
+
+
+def _recover_permits(
+    client: Any, info: LockInfo, node: str, host: str, alive: Callable[[int], bool]
+) -> list[LockInfo]:
+    released = []
+    for permit in info.permits or ():
+        if stale_for(permit, node, host, alive) and delete_permit(client, info, permit):
+            assert permit.holder is not None
+            what = f"permit {permit.slot} of semaphore {info.key}"
+            _log(what, info.task, permit.holder, node, permit.fence)
+            released.append(replace(info, permits=(permit,)))
+    return released
+
+
+def _log(what: str, task: str, holder: Holder, node: str, fence: int | None) -> None:
+    logger.warning(
+        "celery-redlock: released stale %s of task %s[%s] (pid %d of an earlier run of %s "
+        "is gone; fence %s)",
+        what,
+        task,
+        holder.task_id,
+        holder.pid,
+        node,
+        fence,
+    )

@@ -269,8 +269,12 @@ def _release_again(args: Sequence[Arg]) -> Sequence[Arg]:
 #          its reply was lost (see Script): a missing permit then counts as removed
 # ARGV[3]  lifetime of the wake list in milliseconds
 # ARGV[4]  most entries the wake list keeps (the limit)
+# ARGV[5]  (optional) the most milliseconds the permit may have left to be
+#          removed; "-1" or absent: any. The reaper's check that a permit's
+#          renewals stopped: one renewed since it was read has more, and stays.
 # Returns  1 when the permit was held and is now free (or, with ARGV[2] "1", is
-#          missing), 0 when it was not held (expired and reclaimed, or released).
+#          missing), 0 when it was not held (expired and reclaimed, or released)
+#          or has more than ARGV[5] left.
 #
 # A permit past its expiry that no acquire has reclaimed yet still counts as
 # held: every acquire reclaims expired permits before it counts, so nobody was
@@ -278,6 +282,17 @@ def _release_again(args: Sequence[Arg]) -> Sequence[Arg]:
 RELEASE_PERMIT = Script(
     "release_permit",
     """
+local most = tonumber(ARGV[5] or '-1')
+if most >= 0 then
+  local at = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if at then
+    local clock = redis.call('TIME')
+    local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+    if tonumber(at) - now > most then
+      return 0
+    end
+  end
+end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
   if ARGV[2] == '1' then
     return 1

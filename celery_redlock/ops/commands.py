@@ -28,6 +28,7 @@ from celery_redlock.core.inventory import (
     read_locks,
     semaphore_key,
 )
+from celery_redlock.core.reclaim import delete_permit
 from celery_redlock.core.recovery import lock_prefixes
 from celery_redlock.core.scripts import RELEASE
 from celery_redlock.core.store import store_for
@@ -35,7 +36,7 @@ from celery_redlock.core.store import store_for
 from .holders import Liveness, ReleaseOutcome, holder_liveness
 from .holders import ttl_text as _ttl
 from .holders import when as _when
-from .permits import delete_permit, describe_semaphore, permit_row, release_permit_checked
+from .permits import describe_semaphore, permit_row, release_permit_checked
 from .rates import RATE_HEADER, describe_rate, find_rate_keys, rate_row, read_rate_key
 
 __all__ = [

@@ -10,18 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from celery_redlock.core.inventory import LockInfo, PermitInfo
-from celery_redlock.core.semaphore_scripts import RELEASE_PERMIT, semaphore_keys
+from celery_redlock.core.reclaim import delete_permit
 
 from .holders import ReleaseOutcome, holder_liveness, ttl_text, when
 
-__all__ = ["delete_permit", "describe_semaphore", "permit_row", "release_permit_checked"]
-
-
-def delete_permit(client: Any, info: LockInfo, permit: PermitInfo) -> bool:
-    """Remove exactly ``permit`` from ``info``'s semaphore; ``True`` if it was still held."""
-    keys = semaphore_keys(info.key)
-    args = (permit.member, "0", max(1, int(permit.ttl * 1000)), len(info.permits or ()))
-    return bool(RELEASE_PERMIT(client, (keys.permits, keys.waiters, keys.wake), args))
+__all__ = ["describe_semaphore", "permit_row", "release_permit_checked"]
 
 
 def permit_row(info: LockInfo, permit: PermitInfo) -> list[str]:

@@ -114,6 +114,11 @@ def register(app: Celery) -> None:
         """As ``requeue``, acked late: a killed run's message goes back to the queue."""
         return _run(self, seconds, gate)
 
+    @app.task(name="limits.lasting", **{**_OPTIONS, "lock_ttl": None})
+    def lasting(self: Task, group: str, seconds: float, gate: str | None = None) -> Any:
+        """As ``skip``, under the app's ``redlock_ttl``: a killed holder's permit lasts."""
+        return _run(self, seconds, gate)
+
     @app.task(
         name="limits.few_requeues",
         **{

@@ -15,10 +15,11 @@ import pytest
 import redis
 from redis.cluster import RedisCluster
 
-from celery_redlock import Lock
+from celery_redlock import Lock, Semaphore
 from celery_redlock.core.holder import Holder
-from celery_redlock.core.inventory import find_locks
+from celery_redlock.core.inventory import find_locks, semaphore_key
 from celery_redlock.core.keys import KeyBuilder
+from celery_redlock.core.reclaim import delete_permit
 from celery_redlock.core.recovery import recover_stale
 from tests.redis_servers import RedisServer
 
@@ -99,6 +100,64 @@ def test_recovery_releases_only_dead_processes_of_this_node_and_host(r: redis.Re
     assert [info.key for info in released] == [stale]
     assert not r.exists(stale)
     assert all(r.exists(key) for key in [*kept, v1, enqueued])
+
+
+def _pinned(node: str, pid: int, host: str | None, ttl: float = 60) -> Holder:
+    """A holder value of a task of its own on ``node``, naming ``pid`` on ``host``."""
+    base = Holder.new(f"t-{random.getrandbits(32):08x}", node, ttl=ttl)
+    return Holder(**{**base.__dict__, "pid": pid, "host": host})
+
+
+def _permits(r: redis.Redis, name: str, *holders: Holder) -> list[Semaphore]:
+    """One 60 s permit of the 3-permit semaphore ``name`` per holder, each with its value."""
+    taken = []
+    for holder in holders:
+        sem = Semaphore(r, name, limit=3, timeout=60, blocking=False, auto_renew=False)
+        assert sem.acquire(token=holder.encode())
+        taken.append(sem)
+    return taken
+
+
+def test_recovery_frees_only_the_dead_processes_permit_of_a_semaphore(r: redis.Redis) -> None:
+    """A semaphore's permit left by a dead process of this node and host is removed alone:
+    the permits of a live process, of another node and of another host stay."""
+    dead, here, name = _dead_pid(), Holder.new("t", "w1@h").host, _key("app.s", 1)
+    stale, *kept = _permits(
+        r,
+        name,
+        _pinned("w1@h", dead, here),
+        _pinned("w1@h", os.getpid(), here),
+        _pinned("w2@h", dead, here),
+    )
+    elsewhere = Semaphore(r, name, limit=4, timeout=60, blocking=False, auto_renew=False)
+    assert elsewhere.acquire(token=_pinned("w1@h", dead, "elsewhere").encode())
+
+    released = recover_stale(r, ["ops"], "w1@h", here)
+    assert [(info.key, [p.member.encode() for p in info.permits or ()]) for info in released] == [
+        (name, [stale.token])
+    ]
+    held = r.zrange(semaphore_key(name), 0, -1)
+    assert sorted(held) == sorted([*(sem.token for sem in kept), elsewhere.token])
+
+
+def test_a_permit_is_deleted_as_read_and_only_while_its_ttl_is_short_enough(
+    r: redis.Redis,
+) -> None:
+    """delete_permit removes the permit read, not one renewed past the limit given, not one
+    released and granted again meanwhile, and never another holder's permit."""
+    name, holder = _key("app.s", 2), Holder.new("a", "w1@h", ttl=60)
+    first, other = _permits(r, name, holder, Holder.new("b", "w1@h"))
+    (info,) = find_locks(r, ["ops"], semaphores=True)
+    read = next(p for p in info.permits or () if p.member.encode() == first.token)
+    assert not delete_permit(r, info, read, max_left_ms=30_000)  # 60 s left: renewed
+    first.release()
+    (again,) = _permits(r, name, holder)  # the same holder's value, granted again: a new fence
+    assert not delete_permit(r, info, read)
+    assert sorted(r.zrange(semaphore_key(name), 0, -1)) == sorted([other.token, again.token])
+    (info,) = find_locks(r, ["ops"], semaphores=True)
+    read = next(p for p in info.permits or () if p.member.encode() == again.token)
+    assert delete_permit(r, info, read, max_left_ms=61_000)
+    assert r.zrange(semaphore_key(name), 0, -1) == [other.token]
 
 
 def _cluster_port() -> int:

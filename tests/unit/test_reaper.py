@@ -12,7 +12,7 @@ from celery_redlock.celery.reaper import (
     renewal_overdue,
 )
 from celery_redlock.core.holder import Holder
-from celery_redlock.core.inventory import LockInfo
+from celery_redlock.core.inventory import LockInfo, PermitInfo
 
 NODE, HOST = "w1@box", "box"
 KEY = "redlock:v1:{app.t:" + "0" * 64 + "}"
@@ -100,3 +100,27 @@ def test_silence_is_measured_from_the_first_unanswered_ping():
     assert tracker.silent_for("a") is None
     tracker.forget_except(["a"])
     assert tracker.silent_for("b") is None
+
+
+def permit(*, node=NODE, host=HOST, pid=4242, left=59.0) -> PermitInfo:
+    holder = Holder(
+        task_id="t-2", hostname=node, pid=pid, token="y", acquired_ms=1, ttl_ms=60_000, host=host
+    )
+    return PermitInfo(f"1|9|{holder.encode()}", 1, 9, holder.encode(), holder, left)
+
+
+def test_a_permit_is_judged_on_its_own_holder_by_the_rules_of_a_lock():
+    """A permit of this worker whose pid is gone goes; one whose pid runs stays; another
+    worker's permit goes only when that worker is silent AND the permit's own TTL is overdue."""
+    found = verdict(permit())
+    assert found is not None and found.reason == PID_GONE and "4242" in found.evidence
+    assert verdict(permit(), alive={4242}) is None
+    assert verdict(permit(host="elsewhere")) is None
+    other = {"node": "w2@far", "host": "far"}
+    assert verdict(permit(**other, left=50.0), silent=1e9) is None
+    assert verdict(permit(**other, left=20.0), silent=None) is None
+    found = verdict(permit(**other, left=20.0), silent=61.0)
+    assert found is not None and found.reason == WORKER_SILENT
+    assert found.max_pttl_ms == 30_000 and "the permit was last renewed 40.0s ago" in found.evidence
+    # The semaphore's own entry names no holder: only its permits are judged.
+    assert verdict(LockInfo(KEY, "app.t", "", None, 1.0, 9, 1000.0, permits=(permit(),))) is None

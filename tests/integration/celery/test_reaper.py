@@ -23,7 +23,11 @@ import pytest
 import redis
 from celery import Celery
 
+from celery_redlock.celery.reaper import Reaper
 from celery_redlock.core.holder import Holder
+from celery_redlock.core.semaphore_scripts import RENEW_PERMITS, semaphore_keys
+from celery_redlock.core.store import LockStore, parse_store
+from tests.celery_apps.limits import started
 from tests.celery_harness import CeleryWorker, wait_until
 from tests.integration.celery.conftest import WorkerFactory
 
@@ -169,3 +173,152 @@ def test_a_silent_workers_lock_goes_only_once_its_renewals_stopped(
     wait_for_passes(storm_app, worker, 4)
     assert db9.get(fresh_key) == fresh_value
     assert report(storm_app, worker)["reaped"] == {"pid_gone": 0, "worker_silent": 1}
+
+
+def permits_by_task(db9: redis.Redis, name: str) -> dict[str, bytes]:
+    """The members of semaphore ``name``'s permits, by their holder's task id."""
+    found = {}
+    for member in db9.zrange(semaphore_keys(name).permits, 0, -1):
+        holder = Holder.parse(member.split(b"|", 2)[2])
+        assert holder is not None
+        found[holder.task_id] = bytes(member)
+    return found
+
+
+def plant_permits(
+    db9: redis.Redis, name: str, holders: dict[int, tuple[Holder, int]]
+) -> dict[int, bytes]:
+    """Permits of semaphore ``name`` by slot: ``(holder, ms left)``; return their members."""
+    seconds, micros = db9.time()
+    now_ms = seconds * 1000 + micros // 1000
+    members = {
+        slot: f"{slot}|{100 + slot}|{holder.encode()}".encode()
+        for slot, (holder, _) in holders.items()
+    }
+    key = semaphore_keys(name).permits
+    db9.zadd(key, {members[slot]: now_ms + left for slot, (_, left) in holders.items()})
+    db9.pexpire(key, 60_000)
+    return members
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_pool_process_permit_goes_and_the_other_holders_keep_theirs(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+    gates: list[str],
+) -> None:
+    """SIGKILL of the pool process holding one permit of a 60 s semaphore: the running
+    worker's reaper removes exactly that permit; the live holder beside it keeps its own."""
+    worker = worker_factory("prefork", 2)
+    gate = f"{prefix}:gate:{uuid.uuid4().hex}"
+    gates.append(gate)
+    for _ in range(2):
+        storm_app.tasks["limits.lasting"].apply_async(("g", 0, gate))
+    wait_until(lambda: len(started(db9, prefix)) == 2, timeout=20, message="two holders")
+    doomed, live = started(db9, prefix)
+    name, permits = doomed["key"], semaphore_keys(doomed["key"]).permits
+    members = permits_by_task(db9, name)
+    assert doomed["pid"] in worker.child_pids()
+
+    wait_for_passes(storm_app, worker, 2)
+    assert permits_by_task(db9, name) == members  # nothing to reap while the holders run
+    seconds, _ = db9.time()
+    assert db9.zscore(permits, members[doomed["task_id"]]) > (seconds + 40) * 1000
+    os.kill(doomed["pid"], signal.SIGKILL)
+    wait_until(
+        lambda: db9.zscore(permits, members[doomed["task_id"]]) is None,
+        timeout=20,
+        message="the dead holder's permit freed",
+    )
+
+    assert worker.running
+    log = worker.log()
+    assert f"reaper released permit {doomed['slot']} of semaphore {name}" in log
+    assert f"holder pid {doomed['pid']} of this worker ({worker.nodename})" in log
+    wait_for_passes(storm_app, worker, 4)
+    assert permits_by_task(db9, name) == {live["task_id"]: members[live["task_id"]]}
+    assert report(storm_app, worker)["reaped"] == {"pid_gone": 1, "worker_silent": 0}
+
+
+@pytest.mark.timeout(60)
+def test_a_permit_renewed_between_the_read_and_the_release_stays(
+    storm_app: Celery, db9: redis.Redis, prefix: str
+) -> None:
+    """Two permits of a silent worker, both past their renewal deadline when read: the one
+    its holder renews before the release (here, while the reaper pings) stays; the other goes."""
+    ghost = f"ghost-{prefix}@far-away"
+    name = f"{prefix}:v1:{{limits.lasting:{'03' * 32}}}"
+    members = plant_permits(
+        db9,
+        name,
+        {
+            0: (foreign(ghost, "far-away", 4242), 25_000),
+            1: (foreign(ghost, "far-away", 4243), 25_000),
+        },
+    )
+    permits = semaphore_keys(name).permits
+
+    def renew_then_stay_silent(app: Celery, nodes: Any, timeout: float) -> set[str]:
+        # What the holder's watchdog sends: its permit is set back to its full TTL.
+        RENEW_PERMITS(db9, (permits,), ("1", members[1], 60_000))
+        return set()
+
+    reaper = Reaper(
+        storm_app,
+        f"judge-{prefix}@here",
+        interval=60.0,
+        unresponsive_after=0.0,
+        store=LockStore(parse_store(storm_app.conf)),
+        ping=renew_then_stay_silent,
+    )
+    try:
+        reaped = reaper.run_once()
+    finally:
+        reaper.store.close()
+    assert [(r.permit and r.permit.member, r.verdict.reason) for r in reaped] == [
+        (members[0].decode(), "worker_silent")
+    ]
+    assert db9.zrange(permits, 0, -1) == [members[1]]
+
+
+@pytest.mark.timeout(120)
+def test_a_permit_whose_worker_answers_stays_though_it_looks_overdue(
+    storm_app: Celery,
+    worker_factory: WorkerFactory,
+    db9: redis.Redis,
+    prefix: str,
+) -> None:
+    """Permits past their renewal deadline: a silent node's goes; one naming a worker that
+    answers its pings stays, and so does a fresh permit of the silent node."""
+    judge, alive = worker_factory.start(
+        worker_factory.create("solo"), worker_factory.create("solo")
+    )
+    ghost = f"ghost-{prefix}@far-away"
+    name = f"{prefix}:v1:{{limits.lasting:{'04' * 32}}}"
+    members = plant_permits(
+        db9,
+        name,
+        {
+            0: (foreign(ghost, "far-away", 4242), 25_000),
+            1: (foreign(alive.nodename, "far-away", 4243), 25_000),
+            2: (foreign(ghost, "far-away", 4244), 59_000),
+        },
+    )
+    permits = semaphore_keys(name).permits
+
+    wait_until(
+        lambda: db9.zscore(permits, members[0]) is None,
+        timeout=20,
+        message="the silent node's overdue permit freed",
+    )
+    log = judge.log() + alive.log()
+    assert f"reaper released permit 0 of semaphore {name}" in log
+    assert f"worker {ghost} (host far-away) has not answered a ping" in log
+    assert "the permit was last renewed" in log
+    wait_for_passes(storm_app, judge, 4)
+    assert sorted(db9.zrange(permits, 0, -1)) == sorted([members[1], members[2]])
+    reaped = [report(storm_app, w)["reaped"] for w in (judge, alive)]
+    assert sum(counts["worker_silent"] for counts in reaped) == 1
+    assert sum(counts["pid_gone"] for counts in reaped) == 0
