@@ -6,7 +6,9 @@
   connection's bytes long after another's. Bytes a client sends while
   :meth:`DelayProxy.hold` is in force reach the server only at the time given,
   and each connection's bytes keep their order (later ones wait behind held
-  ones). Replies pass at once.
+  ones). Replies pass at once. ``hold(until, only_open=True)`` holds only the
+  connections open at that moment: one connection's bytes arrive late while
+  another's, opened after, arrive at once.
 - :class:`ReplyDroppingProxy` loses replies after the server ran the command.
   A lost reply is the one connection failure after which the server *did* run
   the command: a client cannot tell it from a connection the server closed
@@ -165,12 +167,21 @@ class DelayProxy(_Proxy):
     def __init__(self, target_port: int) -> None:
         self._hold_until = 0.0
         self._holding = False
+        # The connections open now, each by its upstream half.
+        self._open: set[_Upstream] = set()
+        # The connections a hold applies to (None: all of them).
+        self._held: set[_Upstream] | None = None
         super().__init__(target_port)
 
-    def hold(self, until: float) -> None:
-        """Hold back bytes sent from now on until ``until`` (``time.monotonic()`` seconds)."""
+    def hold(self, until: float, only_open: bool = False) -> None:
+        """Hold back bytes sent from now on until ``until`` (``time.monotonic()`` seconds).
+
+        With ``only_open``, only on the connections open now: those opened
+        later pass at once.
+        """
         with self._guard:
             self._holding, self._hold_until = True, until
+            self._held = set(self._open) if only_open else None
 
     def stop_holding(self) -> None:
         """Let bytes sent from now on through at once (after any held before them)."""
@@ -179,6 +190,8 @@ class DelayProxy(_Proxy):
 
     def _forward(self, client: socket.socket, server: socket.socket) -> None:
         upstream = _Upstream(server)
+        with self._guard:
+            self._open.add(upstream)
         threading.Thread(target=upstream.forward, daemon=True).start()
         threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
         threading.Thread(target=_pump, args=(server, client), daemon=True).start()
@@ -190,10 +203,13 @@ class DelayProxy(_Proxy):
             except OSError:
                 data = b""
             if not data:
+                with self._guard:
+                    self._open.discard(upstream)
                 upstream.close()
                 return
             with self._guard:
-                due = self._hold_until if self._holding else 0.0
+                held = self._holding and (self._held is None or upstream in self._held)
+                due = self._hold_until if held else 0.0
             upstream.put(due, data)
 
 

@@ -14,12 +14,14 @@ from redis.exceptions import RedisError
 
 from .lanes import changed
 from .nodes import Connected, Node
+from .through_client import Unanswered
 from .wire import Request
 
 __all__ = ["FOLLOW_UP_TRIES", "job_outcome", "use_late_job"]
 
 #: Most times the follow-up of a request run through a client is tried while it
-#: fails (a hung master times each try out: a few node timeouts in all).
+#: fails before it is sent (a hung master times each new connection's
+#: handshake out: a few node timeouts in all).
 FOLLOW_UP_TRIES = 5
 
 
@@ -49,7 +51,8 @@ def use_late_job(
     through a client (a master that cannot be polled) has now run, or failed,
     so its ``follow_up`` goes after it. It goes after a failure too: a request
     that timed out waiting for its reply may still be run by a master that
-    resumes, and an acquire would then hold the key with nobody to release it.
+    resumes, and an acquire would then hold the key with nobody to release it;
+    the follow-up then goes behind it on its connection.
     """
     try:
         result = job.result()
@@ -75,11 +78,13 @@ def use_late_job(
 def _follow(node: Node, follow_up: Request, tries: int) -> None:
     """Run ``follow_up`` through ``node``'s client; try again while it fails, ``tries`` in all.
 
-    It goes on another connection than the request it follows, which a hung
-    master may still run when it resumes; a try that fails before it is even
-    sent (a new connection's handshake timing out) would leave that request
-    in force. Trying again for a few node timeouts covers a master that hangs
-    that long; one that hangs longer runs the request after the last try.
+    A request that timed out left its connection owing the reply, and the
+    follow-up goes behind it there (see :mod:`~celery_redlock.core.through_client`): once sent,
+    the master runs it second whenever it resumes, answered in time or not.
+    A follow-up that goes on another connection (the request's failed) may
+    fail before it is even sent (a new connection's handshake timing out),
+    which would leave the request in force: it is tried again for a few node
+    timeouts.
     """
     try:
         job = node.start(follow_up)
@@ -88,7 +93,8 @@ def _follow(node: Node, follow_up: Request, tries: int) -> None:
     if tries > 1:
 
         def again(done: concurrent.futures.Future[Any]) -> None:
-            if done.exception() is not None:
+            error = done.exception()
+            if error is not None and not isinstance(error, Unanswered):
                 _follow(node, follow_up, tries - 1)
 
         job.add_done_callback(again)

@@ -28,6 +28,7 @@ from redis.retry import Retry
 
 from .forks import in_forked_children
 from .lanes import Lane, ThreadLane, weak_hand_back
+from .through_client import ThroughClient
 from .wire import Request
 
 __all__ = ["Connected", "Master", "Node", "bounded_client", "fork_generation", "node_for"]
@@ -230,8 +231,10 @@ class Node:
         self._parked: dict[Any, tuple[int, float, bool]] = {}
         self._jobs = 0
         # Key -> the latest job run through the client for it (masters that
-        # cannot be polled): the next one for that key waits for it to end.
+        # cannot be polled): the next one for that key waits for it to end,
+        # and goes on its connection if its reply is still owed.
         self._chains: dict[Any, concurrent.futures.Future[Any]] = {}
+        self._through = None if self.client is None else ThroughClient(self.client)
 
     def checkout(self) -> tuple[Any, int] | None:
         """Return a connection and how many replies it owes before the next one.
@@ -324,13 +327,13 @@ class Node:
         The connection comes back unused: the caller sends on it, so a request
         nobody waits for any more is never sent (see :meth:`Round.finish`).
 
-        Through a client, each request runs on whichever of the client's
-        connections is free, and the master may run two requests of two
-        connections in either order: a release could run before the acquire it
-        undoes, which would then hold the key for its whole TTL (for ever
-        without one). So a request for a key starts only once the job of the
-        previous request for that key has ended, as the asyncio Redlock chains
-        its requests per key.
+        Through a client, the master may run two requests of two connections
+        in either order: a release could run before the acquire it undoes,
+        which would then hold the key for its whole TTL (for ever without one).
+        So a request for a key starts only once the job of the previous
+        request for that key has ended, as the asyncio Redlock chains its
+        requests per key, and goes on that request's connection while its
+        reply is owed (see :mod:`~celery_redlock.core.through_client`).
 
         Raises:
             redis.exceptions.ConnectionError: If this master already has
@@ -364,7 +367,8 @@ class Node:
                 # Submitted earlier to the same (first in, first out) pool, it
                 # is running already: this waits at most for its socket timeout.
                 concurrent.futures.wait((previous,))
-            return request.call(self.client)
+            assert self._through is not None
+            return self._through.run(request)
         conn = self._connection_class(**self._kwargs)
         conn.connect()
         return Connected(conn)

@@ -109,6 +109,82 @@ def test_acquire_timed_out_through_a_client_is_still_undone(redis_servers):
     assert servers[0].client().get("job") is None
 
 
+def sets_run(server):
+    """How many ``SET`` (an acquire without fencing) ``server`` ran since its stats were reset."""
+    return server.commandstats().get("set", 0)
+
+
+def warm_awaiting_all(lock, first):
+    """:func:`warm` ``lock`` with ``first`` holding its key for someone else.
+
+    Every vote then needs the other masters' answers, so none of their
+    requests is still on its way (or queued on the thread pool) afterwards.
+    """
+    first.client().set(lock.name, "someone else")
+    warm(lock)
+    first.client().delete(lock.name)
+
+
+@pytest.mark.timeout(30)
+def test_undo_of_an_acquire_timed_out_through_a_client_goes_behind_it(redis_servers):
+    """On a master reached through its client, an acquire that timed out is undone after it runs.
+
+    The acquire's bytes reach the master late; the undo, sent once the
+    client gave up on the acquire, reaches it at once on any other
+    connection, and would run first: the late acquire would then hold the key
+    until its TTL. Sent behind the acquire on its connection, it runs second.
+    """
+    first, second, third = redis_servers(3)
+    with DelayProxy(third.port) as proxy:
+        masters = [first.client(), second.client(), redis.Redis(port=proxy.port, protocol=3)]
+        lock = Redlock(masters, "job", timeout=30, node_timeout=0.2, fencing=False)
+        warm_awaiting_all(lock, first)
+        # The second master refuses: the attempt needs the third, which is late.
+        second.client().set("job", "someone else", px=60000)
+        third.reset_stats()
+        # What the third master's open connections carry from now on reaches
+        # it 1 s late; connections opened later pass at once.
+        proxy.hold(time.monotonic() + 1.0, only_open=True)
+        assert not lock.acquire(blocking=False)
+        # The acquire has reached the third master and run there.
+        assert wait_until(lambda: sets_run(third) == 1, timeout=5)
+        check = third.client()
+        assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
+        # The connection that carried both serves the next attempts, their
+        # replies read first: with the first master taken, each vote waits
+        # for the third's own answer.
+        first.client().set("job", "someone else")
+        second.client().delete("job")
+        for _ in range(2):
+            assert lock.acquire(blocking=False), lock.local.failure
+            assert check.get("job") == lock.token
+            lock.release()
+            assert check.get("job") is None
+
+
+@pytest.mark.timeout(30)
+def test_release_after_an_acquire_timed_out_through_a_client_goes_behind_it(redis_servers):
+    """On a master reached through its client, a release runs after an acquire that timed out.
+
+    The lock is won without the late master; its release, sent there once the
+    client gave up on the acquire, would overtake the acquire on any other
+    connection and leave the key until its TTL.
+    """
+    first, second, third = redis_servers(3)
+    with DelayProxy(third.port) as proxy:
+        masters = [first.client(), second.client(), redis.Redis(port=proxy.port, protocol=3)]
+        lock = Redlock(masters, "job", timeout=30, node_timeout=0.2, fencing=False)
+        warm_awaiting_all(lock, first)
+        third.reset_stats()
+        proxy.hold(time.monotonic() + 1.0, only_open=True)
+        assert lock.acquire(blocking=False), lock.local.failure
+        lock.release()
+        # The acquire has reached the third master and run there.
+        assert wait_until(lambda: sets_run(third) == 1, timeout=5)
+        check = third.client()
+        assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
+
+
 @pytest.mark.timeout(30)
 def test_shared_lock_released_by_another_thread_behind_its_acquires_stragglers(redis_servers):
     """A lock shared by threads, released by another thread before a slow master answered
