@@ -165,6 +165,23 @@ class LockNotOwned(LockError, redis_exceptions.LockNotOwnedError):
     """The lock was lost or taken over: its key no longer holds our token."""
 
 
+def _forget_frames(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and of the errors it was raised from.
+
+    A lock keeps its last failure for the caller to read, and a traceback
+    keeps every frame it passed through, the lock's own among them: a
+    reference cycle, which holds the lock's connections open until the
+    cyclic collector runs (and that finalizes a socket and its connection in
+    no set order). What each master answered stays in the error itself.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
 class QuorumNotAchieved(LockError):
     """A majority of Redlock masters did not agree, or agreed too late to be of use.
 
@@ -177,6 +194,7 @@ class QuorumNotAchieved(LockError):
             :class:`LockNotAcquired` (someone else holds it there), a
             :class:`LockNotOwned` (our token is not there), or the redis-py
             error, a ``TimeoutError`` for a master that did not answer in time.
+            Kept without their tracebacks, whose frames would keep the lock alive.
         granted: How many masters agreed.
         needed: The quorum: more than half of the masters.
         holder: The value held on most of the masters that refused, when any did.
@@ -196,6 +214,8 @@ class QuorumNotAchieved(LockError):
     ) -> None:
         super().__init__(message, lock_name=lock_name)
         self.errors: dict[str, BaseException] = dict(errors or {})
+        for error in self.errors.values():
+            _forget_frames(error)
         self.granted = granted
         self.needed = needed
         self.holder = holder

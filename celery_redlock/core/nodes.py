@@ -15,6 +15,7 @@ connections are in :mod:`celery_redlock.core.wire`.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 import weakref
@@ -125,11 +126,15 @@ def bounded_client(client: Any, timeout: float, max_connections: int | None = No
     kwargs = _bounded_kwargs(pool, timeout)
     if pool is None or kwargs is None:
         return client
-    return redis.Redis(
-        connection_pool=redis.ConnectionPool(
-            connection_class=pool.connection_class, max_connections=max_connections, **kwargs
-        )
+    own_pool = redis.ConnectionPool(
+        connection_class=pool.connection_class, max_connections=max_connections, **kwargs
     )
+    copy = redis.Redis(connection_pool=own_pool)
+    # The pool is the copy's alone: closed when the copy goes. Left to the
+    # cyclic collector (redis-py 8 makes a RESP3 pool a reference cycle), a
+    # socket could be finalized before its connection: "unclosed socket".
+    weakref.finalize(copy, own_pool.disconnect)
+    return copy
 
 
 class Connected:
@@ -351,7 +356,11 @@ class Node:
             self._jobs += 1
             if key is not None:
                 self._chains[key] = job
-        job.add_done_callback(lambda _: self._job_done(generation, key, job))
+        # Handed the job when done: a callback naming the job would make a
+        # cycle (job, callback, job) keeping this node and its connections
+        # until the cyclic collector, which may finalize a socket before its
+        # connection ("unclosed socket").
+        job.add_done_callback(functools.partial(self._job_done, generation, key))
         return job
 
     def _job_done(self, generation: int, key: Any, job: concurrent.futures.Future[Any]) -> None:

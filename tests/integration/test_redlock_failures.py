@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import redis
@@ -166,3 +168,30 @@ def test_master_restarted_between_operations_is_reconnected(redis_servers):
         server.restart()
     assert lock.acquire(blocking=False), lock.local.failure
     lock.release()
+
+
+def test_a_failed_redlock_is_freed_as_soon_as_it_is_dropped(redis_servers):
+    """A Redlock keeps its last failure but no reference cycle: dropped, it goes at once.
+
+    The failure names each master's error. Were those errors to keep their
+    tracebacks, the frames in them would hold the lock, and with it the
+    connections it reaches, until the cyclic collector runs; and that
+    collector finalizes a socket and its connection in no set order, which
+    can warn of an unclosed socket.
+    """
+    servers = redis_servers(3)
+    servers[1].client().set("job", "someone else")
+    servers[2].kill()
+    clients = [s.client() for s in servers]
+    gc.disable()
+    try:
+        lock = Redlock(clients, "job", timeout=10)
+        assert not lock.acquire(blocking=False)
+        failure = lock.local.failure
+        assert isinstance(failure, QuorumNotAchieved)
+        assert isinstance(failure.errors[f"127.0.0.1:{servers[2].port}/0"], redis.ConnectionError)
+        gone = weakref.ref(lock)
+        del lock, failure
+        assert gone() is None
+    finally:
+        gc.enable()
