@@ -246,9 +246,12 @@ def test_a_blocking_pool_is_not_kept_waiting_by_the_lock(redis_server: RedisServ
     """
     pool = redis.BlockingConnectionPool(port=redis_server.port, max_connections=1, timeout=1)
     client = redis.Redis(connection_pool=pool)
-    lock = Lock(client, "blocking-pool", timeout=TTL)
-    assert lock.acquire()
-    assert lock.owned()
-    lock.release()
-    assert client.get("blocking-pool") is None  # within the pool's timeout of 1 s
-    client.close()
+    try:
+        lock = Lock(client, "blocking-pool", timeout=TTL)
+        assert lock.acquire()
+        assert lock.owned()
+        lock.release()
+        assert client.get("blocking-pool") is None  # within the pool's timeout of 1 s
+    finally:
+        # A pool given to a client is not the client's to close.
+        pool.disconnect()
