@@ -130,9 +130,9 @@ def bounded_client(client: Any, timeout: float, max_connections: int | None = No
         connection_class=pool.connection_class, max_connections=max_connections, **kwargs
     )
     copy = redis.Redis(connection_pool=own_pool)
-    # The pool is the copy's alone: closed when the copy goes. Left to the
-    # cyclic collector (redis-py 8 makes a RESP3 pool a reference cycle), a
-    # socket could be finalized before its connection: "unclosed socket".
+    # Closed when the copy goes, never by the cyclic collector (a RESP3 pool of
+    # redis-py 8 is a cycle), whose finalizers run in no set order: a socket
+    # finalized before its connection warns "unclosed socket".
     weakref.finalize(copy, own_pool.disconnect)
     return copy
 
@@ -356,10 +356,7 @@ class Node:
             self._jobs += 1
             if key is not None:
                 self._chains[key] = job
-        # Handed the job when done: a callback naming the job would make a
-        # cycle (job, callback, job) keeping this node and its connections
-        # until the cyclic collector, which may finalize a socket before its
-        # connection ("unclosed socket").
+        # Not a lambda naming the job: a cycle keeping this node's connections.
         job.add_done_callback(functools.partial(self._job_done, generation, key))
         return job
 
