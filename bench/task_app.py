@@ -32,6 +32,12 @@ Tasks, one per contender, each returning its argument:
     The same raw socket sending celery-redlock's own acquire and release
     scripts: the lock store's work of ``SingletonTask`` without its client.
 
+``bench.bare_lock`` and ``bench.redispy_lock``
+    A plain task whose body takes and releases a lock of its own on the lock
+    store: celery-redlock's bare ``Lock`` (fence drawn, no watchdog, no guard)
+    and redis-py's ``Lock``. ``bench/task_instructions.py`` counts them: what a
+    lock client costs a task without anything of ``SingletonTask`` around it.
+
 plus ``bench.hold``, the ``SingletonTask`` of the duplicate storm: it holds its
 lock until the benchmark sets a stop key on the *broker* Redis, so its waiting
 adds nothing to the lock store's command counts.
@@ -51,17 +57,20 @@ from celery import Celery
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
 
+from celery_redlock import Lock as CoreLock
 from celery_redlock import SingletonTask
 from celery_redlock.core.scripts import ACQUIRE, RELEASE
 
 __all__ = [
     "HOLD_TTL",
     "app",
+    "bare_lock",
     "floor",
     "floor_scripts",
     "hold",
     "once",
     "plain",
+    "redispy_lock",
     "redlock",
     "singleton",
     "stop_key",
@@ -199,6 +208,40 @@ def floor_scripts(i: int) -> int:
     result = i
     store.call(store.pack((b"EVALSHA", store.release_sha, b"1", key, token, b"0")))
     return result
+
+
+_lock_store_client: redis.Redis | None = None
+
+
+def _lock_store() -> redis.Redis:
+    global _lock_store_client
+    if _lock_store_client is None:
+        _lock_store_client = redis.Redis.from_url(LOCK_URL)
+    return _lock_store_client
+
+
+@app.task(name="bench.bare_lock")  # type: ignore[untyped-decorator]
+def bare_lock(i: int) -> int:
+    """Return ``i`` inside celery-redlock's bare ``Lock`` (no watchdog, no guard around it)."""
+    lock = CoreLock(_lock_store(), f"task_bench:bare:{i}", timeout=60)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"the bare lock's uncontended acquire failed for {i}")
+    try:
+        return i
+    finally:
+        lock.release()
+
+
+@app.task(name="bench.redispy_lock")  # type: ignore[untyped-decorator]
+def redispy_lock(i: int) -> int:
+    """Return ``i`` inside redis-py's own ``Lock``."""
+    lock = _lock_store().lock(f"task_bench:redispy:{i}", timeout=60)
+    if not lock.acquire(blocking=False):
+        raise RuntimeError(f"redis-py's uncontended acquire failed for {i}")
+    try:
+        return i
+    finally:
+        lock.release()
 
 
 @app.task(name="bench.hold", base=SingletonTask, lock_ttl=HOLD_TTL)  # type: ignore[untyped-decorator]

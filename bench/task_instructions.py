@@ -23,7 +23,9 @@ distinct arguments), ``once`` and ``singleton`` (the incumbents' worker side),
 ``SKIPPED`` recorded, the run ended as ``celery_redlock.celery.skipping``
 says), and ``floor`` (``bench.floor``: a plain task with two library-free
 round trips to the lock store around its body, the least two commands cost)
-and ``floor_scripts`` (the same with celery-redlock's own two scripts).
+and ``floor_scripts`` (the same with celery-redlock's own two scripts);
+``bare_lock`` and ``redispy_lock`` (a plain task taking celery-redlock's bare
+``Lock`` or redis-py's ``Lock`` in its body: a lock client alone).
 ``--old PATH`` also counts ``task`` and ``skip`` for the package at PATH (a
 checkout of another revision), in the same run. ``--ablate`` also counts
 ``task`` with one of its parts made a no-op at a time (see ``ABLATIONS``),
@@ -56,6 +58,8 @@ VARIANTS = {
     "skip": "bench.hold",
     "floor": "bench.floor",
     "floor_scripts": "bench.floor_scripts",
+    "bare_lock": "bench.bare_lock",
+    "redispy_lock": "bench.redispy_lock",
 }
 PROCESS_TIME_SYMBOL = "time_process_time"
 
