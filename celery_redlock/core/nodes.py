@@ -239,7 +239,7 @@ class Node:
         # cannot be polled): the next one for that key waits for it to end,
         # and goes on its connection if its reply is still owed.
         self._chains: dict[Any, concurrent.futures.Future[Any]] = {}
-        self._through = None if self.client is None else ThroughClient(self.client)
+        self._through = None if self.client is None else ThroughClient(self.client, self.timeout)
 
     def checkout(self) -> tuple[Any, int] | None:
         """Return a connection and how many replies it owes before the next one.

@@ -51,6 +51,12 @@ return redis.call('DEL', KEYS[1])
 )
 
 
+# RELEASE_PERMIT (see semaphore_scripts), never resent after a lost reply: a
+# resend counts a missing permit as removed, so a permit its holder released
+# meanwhile would be reported (and counted) as reclaimed.
+_RECLAIM_PERMIT = Script("reclaim_permit", RELEASE_PERMIT.source, resend=_never_resend)
+
+
 def reap_lock(client: Any, info: LockInfo, max_pttl_ms: int = -1) -> bool:
     """Delete lock ``info`` if it still holds the value read; ``True`` if it did.
 
@@ -70,8 +76,9 @@ def delete_permit(client: Any, info: LockInfo, permit: PermitInfo, max_left_ms: 
 
     A permit released meanwhile, or reclaimed and granted again (a new member:
     another fence), is not touched, nor are the semaphore's other permits.
-    After a lost reply the script is sent again as ``release --permit`` sends
-    it, and a permit missing then counts as removed by the first send.
+    It is not sent again after a lost reply (the ``ConnectionError`` is
+    raised): a second send could not tell a permit this one removed from one
+    its holder released.
 
     Args:
         client: The Redis the semaphore was read from.
@@ -91,4 +98,4 @@ def delete_permit(client: Any, info: LockInfo, permit: PermitInfo, max_left_ms: 
         len(info.permits or ()),
         str(max_left_ms),
     )
-    return bool(RELEASE_PERMIT(client, (keys.permits, keys.waiters, keys.wake), args))
+    return bool(_RECLAIM_PERMIT(client, (keys.permits, keys.waiters, keys.wake), args))

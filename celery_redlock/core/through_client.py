@@ -16,15 +16,21 @@ reads the owed replies first, as a thread's lane does on a master that is
 polled (see :mod:`~celery_redlock.core.lanes`). The jobs of one key run one
 after the other (see :meth:`~celery_redlock.core.nodes.Node.start`), so the
 connection is never used by two at once. It goes back to the pool once every
-reply it owed is read, and is never closed for owing them: closing a socket
-with unread data resets the connection, and a reset may make the master drop
-a request it has not read yet (such as the undo behind an acquire).
+reply it owed is read. It is not closed for owing them while the master may
+just be slow: closing a socket with unread data resets the connection, and a
+reset may make the master drop a request it has not read yet (such as the
+undo behind an acquire). A connection still owing replies :data:`KEEP_FOR`
+node timeouts after it was kept is given up (closed), and the key's next request
+goes on a new one: its peer may be gone without a reset (a host lost behind
+a name that now points elsewhere, a firewall that dropped the connection),
+and the master would stay out of every later vote of a long-lived lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -33,7 +39,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .reserved import checkout
 from .wire import Request
 
-__all__ = ["ThroughClient", "Unanswered"]
+__all__ = ["KEEP_FOR", "ThroughClient", "Unanswered"]
+
+#: Node timeouts a connection owing replies stays kept for its key: as long as
+#: the follow-up of a late request is tried for (``late_jobs.FOLLOW_UP_TRIES``).
+KEEP_FOR = 5
 
 
 class Unanswered(RedisTimeoutError):
@@ -45,14 +55,15 @@ class Unanswered(RedisTimeoutError):
 
 
 class _Owing:
-    """A connection kept for one key: the replies it owes, and its socket then."""
+    """A connection kept for one key: the replies it owes, its socket then, when to give up."""
 
-    __slots__ = ("conn", "owed", "sock")
+    __slots__ = ("conn", "give_up", "owed", "sock")
 
-    def __init__(self, conn: Any, owed: int) -> None:
+    def __init__(self, conn: Any, owed: int, give_up: float) -> None:
         self.conn = conn
         self.owed = owed
         self.sock = _socket_of(conn)
+        self.give_up = give_up
 
 
 def _skip_reply(conn: Any) -> None:
@@ -73,10 +84,13 @@ class ThroughClient:
     Args:
         client: The master's client, with bounded timeouts and no retries
             (see :func:`~celery_redlock.core.nodes.bounded_client`).
+        node_timeout: The master's node timeout: a connection owing replies
+            is kept for its key :data:`KEEP_FOR` times that long, then closed.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, node_timeout: float) -> None:
         self.client = client
+        self.keep_for = KEEP_FOR * node_timeout
         self._guard = threading.Lock()
         # key -> its connection owing replies
         self._owing: dict[Any, _Owing] = {}
@@ -105,12 +119,22 @@ class ThroughClient:
             owing = self._owing.pop(key, None)
         if owing is not None:
             conn, owed = owing.conn, self._settle(owing)
+            if owed and time.monotonic() < owing.give_up:
+                return self._exchange(key, conn, owed, request, owing.give_up)
             if owed:
-                return self._exchange(key, conn, owed, request)
+                # Owing past keep_for: the master is hung or the peer gone.
+                conn.disconnect()
+                pool.release(conn)
         return self._exchange(key, checkout(pool), 0, request)
 
-    def _exchange(self, key: Any, conn: Any, owed: int, request: Request) -> Any:
-        """Send ``request`` on ``conn`` behind ``owed`` replies; read them, then its own."""
+    def _exchange(
+        self, key: Any, conn: Any, owed: int, request: Request, give_up: float | None = None
+    ) -> Any:
+        """Send ``request`` on ``conn`` behind ``owed`` replies; read them, then its own.
+
+        ``give_up``: when a connection kept already (owing) stops being kept;
+        one kept now is kept :data:`KEEP_FOR` node timeouts.
+        """
         pool = self._pool
         assert pool is not None
         try:
@@ -127,8 +151,11 @@ class ThroughClient:
                 reply = conn.read_response(disconnect_on_error=False)
         except RedisTimeoutError as exc:
             if owed and _socket_of(conn) is not None:
+                if give_up is None:
+                    give_up = time.monotonic() + self.keep_for
+                kept = _Owing(conn, owed, give_up)
                 with self._guard:
-                    self._owing[key] = _Owing(conn, owed)
+                    self._owing[key] = kept
                 raise Unanswered(str(exc)) from exc
             conn.disconnect()
             pool.release(conn)

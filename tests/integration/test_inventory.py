@@ -21,6 +21,8 @@ from celery_redlock.core.inventory import find_locks, semaphore_key
 from celery_redlock.core.keys import KeyBuilder
 from celery_redlock.core.reclaim import delete_permit
 from celery_redlock.core.recovery import recover_stale
+from celery_redlock.core.semaphore_scripts import RELEASE_PERMIT
+from tests.fault_proxy import ReplyDroppingProxy
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -158,6 +160,23 @@ def test_a_permit_is_deleted_as_read_and_only_while_its_ttl_is_short_enough(
     read = next(p for p in info.permits or () if p.member.encode() == again.token)
     assert delete_permit(r, info, read, max_left_ms=61_000)
     assert r.zrange(semaphore_key(name), 0, -1) == [other.token]
+
+
+def test_a_permit_reclaim_whose_reply_was_lost_is_not_sent_again(r: redis.Redis) -> None:
+    """A reclaim is never resent: a resend would count a permit its holder released as removed."""
+    name = _key("app.s", 3)
+    _permits(r, name, Holder.new("a", "w1@h", ttl=60))
+    (info,) = find_locks(r, ["ops"], semaphores=True)
+    (read,) = info.permits or ()
+    r.script_load(RELEASE_PERMIT.source)  # else the reply lost would be NOSCRIPT: nothing ran
+    with ReplyDroppingProxy(r.connection_pool.connection_kwargs["port"]) as proxy:
+        proxied = redis.Redis.from_url(proxy.url)
+        proxied.ping()
+        proxy.drop_next_replies(1)
+        with pytest.raises(redis.ConnectionError):
+            delete_permit(proxied, info, read)
+        proxied.close()
+    assert r.zrange(semaphore_key(name), 0, -1) == []  # the one send did remove it
 
 
 def _cluster_port() -> int:

@@ -372,3 +372,35 @@ def test_a_round_interrupted_while_waiting_leaves_its_lanes_to_the_next_rounds(
     # (Under load a round may still take the general path: its replies came
     # later than the node timeout.)
     assert "counted" in volleys, volleys
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_kept_owing_replies_to_a_silent_peer_is_given_up(redis_servers):
+    """A long-lived lock's kept connection whose peer went silent (no reset) is given up.
+
+    The connections open to the third master (reached through its client)
+    stop carrying bytes, as with a host lost behind a name or a firewall that
+    dropped them, while new connections reach it. Once the first master is
+    taken, every vote needs the third: a lock still queueing its key's
+    requests behind the silent connection would never win one again.
+    """
+    first, second, third = redis_servers(3)
+    with DelayProxy(third.port) as proxy:
+        masters = [first.client(), second.client(), redis.Redis(port=proxy.port, protocol=3)]
+        lock = Redlock(masters, "job", timeout=30, node_timeout=0.2, fencing=False)
+        warm(lock)
+        proxy.hold(time.monotonic() + 40.0, only_open=True)
+        # Won without the third master, whose acquire (and then release) waits
+        # on the silent connection, kept for the key.
+        assert lock.acquire(blocking=False)
+        lock.release()
+        first.client().set("job", "someone else")
+
+        def acquired() -> bool:
+            if not lock.acquire(blocking=False):
+                time.sleep(0.2)
+                return False
+            lock.release()
+            return True
+
+        assert wait_until(acquired, timeout=15), lock.local.failure
