@@ -50,6 +50,7 @@ from celery_redlock.core.store import LockStore
 from . import events
 from .messages import QUEUE_HEADER, REQUEUES_HEADER, SELF_HEADER, header_of, requeues_of
 from .queueing import in_line, line_header, place_for, seen_in_line, waited
+from .reaper import app_holder_margin
 from .result import already_done
 from .skipping import Skipped, ends_quietly, hooks_see_success, skip
 
@@ -113,6 +114,8 @@ class TaskGuard(Guard[Any]):
         self._fence_key: str | None = None
         self._in_line = in_line(options)
         self._hooks_see_success = hooks_see_success(task)
+        # What a long TTL leaves to the reaper (see reaper.holder_margin).
+        self._reap_margin = app_holder_margin(task.app.conf, options.ttl)
 
     def run(
         self,
@@ -235,6 +238,8 @@ class TaskGuard(Guard[Any]):
 
     def acquired(self, call: Call, lease: Lease) -> None:
         """Log and count the acquisition; send ``lock_acquired`` to its receivers."""
+        if self._reap_margin:
+            lease.leave_to_reaper(self._reap_margin)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s acquired", lease.describe())
         events.send_acquired(

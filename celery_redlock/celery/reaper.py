@@ -33,27 +33,34 @@ its evidence and counted (``celery_redlock_reaped_total``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from celery_redlock.calls.options import OPTIONS
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.inventory import LockInfo, PermitInfo, clients_of, find_locks
 from celery_redlock.core.reclaim import delete_permit, reap_lock
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
 from celery_redlock.core.store import LockStore
 
+from .settings import flag
+
 __all__ = [
+    "DEFAULT_UNRESPONSIVE_AFTER",
     "OVERDUE_SHARE",
     "REASONS",
     "Reaped",
     "Reaper",
     "SilenceTracker",
     "Verdict",
+    "app_holder_margin",
+    "holder_margin",
     "judge",
     "renewal_overdue",
 ]
@@ -73,6 +80,38 @@ REASONS = (PID_GONE, WORKER_SILENT)
 OVERDUE_SHARE = 0.5
 #: Seconds a ping waits for the holders' workers to answer.
 PING_TIMEOUT = 1.0
+#: Seconds of silence after which a worker counts as dead, unless
+#: ``redlock_reaper_unresponsive_after`` says otherwise.
+DEFAULT_UNRESPONSIVE_AFTER = 60.0
+
+
+def holder_margin(ttl: float, unresponsive_after: float) -> float:
+    """Seconds before the end of its TTL at which a task's lock must count as lost to its holder.
+
+    The worker-silent rule releases a lock no sooner than ``unresponsive_after``
+    seconds after a reaper first saw it overdue (more than ``1 - OVERDUE_SHARE``
+    of its TTL gone since its last renewal). A holder that only looks dead (cut
+    off from the store and its broker while its task runs) still counts its
+    lock valid until its TTL has run out. It must count it lost first: that
+    takes a margin only when the TTL is longer than twice the silence (with
+    the defaults, 120 s); the lease keeps it (``Lease.leave_to_reaper``).
+    """
+    return max(0.0, ttl * OVERDUE_SHARE - unresponsive_after)
+
+
+def app_holder_margin(conf: Mapping[str, Any], ttl: float) -> float:
+    """:func:`holder_margin` under the app's reaper settings; 0 with ``redlock_reaper = False``.
+
+    Raises:
+        ConfigurationError: Naming ``redlock_reaper`` or
+            ``redlock_reaper_unresponsive_after`` if either holds a bad value.
+    """
+    if not flag(conf, "redlock_reaper", True):
+        return 0.0
+    silence = conf.get("redlock_reaper_unresponsive_after")
+    if silence is None:
+        return holder_margin(ttl, DEFAULT_UNRESPONSIVE_AFTER)
+    return holder_margin(ttl, OPTIONS["ttl"].validate("redlock_reaper_unresponsive_after", silence))
 
 
 @dataclass(frozen=True)
@@ -118,8 +157,9 @@ def judge(
         info: The lock, or one permit of a semaphore, as read.
         node: The judging worker's node name.
         host: The judging worker's host name.
-        silent_for: Seconds a worker node has failed to answer pings (``None``:
-            it answered the latest one, or was never asked).
+        silent_for: Seconds a worker node has failed to answer pings, counted
+            no further back than when this lock or permit was first seen
+            overdue (``None``: it answered the latest one, or was never asked).
         unresponsive_after: Seconds of silence that count as dead.
         alive: Tells whether a pid on this host is alive.
     """
@@ -146,7 +186,8 @@ def judge(
     return Verdict(
         WORKER_SILENT,
         f"worker {holder.hostname} (host {holder.host}) has not answered a ping for "
-        f"{silence:.1f}s (limit {unresponsive_after:g}s) and the {what} was last renewed "
+        f"{silence:.1f}s since the {what} was first seen unrenewed (limit "
+        f"{unresponsive_after:g}s) and the {what} was last renewed "
         f"{ttl - info.ttl:.1f}s ago ({info.ttl:.1f}s of its {ttl:g}s TTL left; renewed "
         f"every {ttl / 3:.1f}s while its holder runs)",
         int(holder.ttl_ms * OVERDUE_SHARE),
@@ -215,6 +256,11 @@ class Reaped:
         return f"permit {self.permit.slot} of semaphore {self.info.key}"
 
 
+def _ident(info: LockInfo, permit: PermitInfo | None) -> tuple[str, str]:
+    # One holding: a lock's value, or a permit's member (its fence included).
+    return (info.key, info.value if permit is None else permit.member)
+
+
 def _ping(app: Any, nodes: Sequence[str], timeout: float) -> set[str]:
     replies = app.control.ping(destination=list(nodes), timeout=timeout) or ()
     return {node for reply in replies for node in reply}
@@ -234,6 +280,7 @@ class Reaper:
         on_reaped: Called with the reason of each lock or permit released.
         on_pass: Called after each pass that read the store.
         ping: ``(app, nodes, timeout) -> nodes that answered``.
+        clock: Monotonic clock in seconds, for silences and overdue times.
     """
 
     def __init__(
@@ -247,6 +294,7 @@ class Reaper:
         on_reaped: Callable[[str], None] = lambda reason: None,
         on_pass: Callable[[], None] = lambda: None,
         ping: Callable[[Any, Sequence[str], float], set[str]] = _ping,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.node = node
@@ -254,7 +302,10 @@ class Reaper:
         self.interval = interval
         self.unresponsive_after = unresponsive_after
         self.store = store
-        self.silence = SilenceTracker()
+        self._clock = clock
+        self.silence = SilenceTracker(clock)
+        # (key, value or permit member) -> when a pass first saw it overdue.
+        self._overdue_since: dict[tuple[str, str], float] = {}
         self._on_reaped = on_reaped
         self._on_pass = on_pass
         self._ping = ping
@@ -297,13 +348,15 @@ class Reaper:
         # A lock is judged whole; a semaphore permit by permit, each on its own holder.
         held = [(info, permit) for info in locks.values() for permit in info.permits or (None,)]
         self._ask_silent([permit or info for info, permit in held])
+        self._note_overdue(held)
         released = []
         for info, permit in held:
+            ident = _ident(info, permit)
             verdict = judge(
                 permit or info,
                 node=self.node,
                 host=self.host,
-                silent_for=self.silence.silent_for,
+                silent_for=functools.partial(self._silent_for, ident),
                 unresponsive_after=self.unresponsive_after,
             )
             if verdict is None:
@@ -314,6 +367,27 @@ class Reaper:
         self.last_pass = time.monotonic()
         self._on_pass()
         return released
+
+    def _note_overdue(self, held: Sequence[tuple[LockInfo, PermitInfo | None]]) -> None:
+        # Silence counts only from when this reaper first saw a lock or permit
+        # overdue: a worker silent since earlier (an older lock of it went
+        # unrenewed) may have been cut off only now, with this lock still
+        # valid to its holder (see holder_margin).
+        now = self._clock()
+        since = self._overdue_since
+        self._overdue_since = {
+            ident: since.get(ident, now)
+            for info, permit in held
+            if renewal_overdue(permit or info)
+            for ident in (_ident(info, permit),)
+        }
+
+    def _silent_for(self, ident: tuple[str, str], node: str) -> float | None:
+        silence = self.silence.silent_for(node)
+        since = self._overdue_since.get(ident)
+        if silence is None or since is None:
+            return None
+        return min(silence, self._clock() - since)
 
     def _ask_silent(self, held: Iterable[LockInfo | PermitInfo]) -> None:
         # Only the workers of locks and permits whose renewals stopped are

@@ -27,7 +27,7 @@ from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.store import LockStore, parse_store
 
 from . import metrics, rates, stats
-from .reaper import Reaper
+from .reaper import DEFAULT_UNRESPONSIVE_AFTER, Reaper
 
 __all__ = ["OpsSettings", "OpsStep", "read_ops_settings"]
 
@@ -54,7 +54,7 @@ class OpsSettings:
 
     reaper: bool = True
     reaper_interval: float = 30.0
-    unresponsive_after: float = 60.0
+    unresponsive_after: float = DEFAULT_UNRESPONSIVE_AFTER
     metrics_port: int | None = None
     metrics_host: str = DEFAULT_METRICS_HOST
 

@@ -52,6 +52,9 @@ class Lease:
         lost: ``True`` once the lease is known not to hold the lock any more.
         loss_reason: Why the lease was lost, when it was.
         released: ``True`` once the holder started releasing it.
+        reap_margin: Seconds before the end of its TTL at which the lease
+            counts as lost (see :meth:`leave_to_reaper`); 0 unless a reaper
+            may judge it.
     """
 
     #: Whether the watchdog renews this lease by calling :meth:`renew` instead of
@@ -77,6 +80,7 @@ class Lease:
         "loss_reason",
         "name",
         "on_lost",
+        "reap_margin",
         "released",
         "renewals",
         "replication",
@@ -116,6 +120,7 @@ class Lease:
         self._drift_factor = drift_factor
         self._owner = weakref.ref(owner) if owner is not None else None
         self._renew_resp: tuple[int, bytes, bytes, int] | None = None
+        self.reap_margin = 0.0
         # deadline_for, inline: one lease is built per task.
         self.deadline: float | None = (
             None if ttl is None else sent_at + ttl - (ttl * drift_factor + DRIFT_FLOOR)
@@ -131,7 +136,20 @@ class Lease:
 
     def deadline_for(self, sent_at: float, ttl: float) -> float:
         """Return the validity deadline of ``ttl`` seconds granted to a request sent then."""
-        return sent_at + ttl - (ttl * self._drift_factor + DRIFT_FLOOR)
+        return sent_at + ttl - self.reap_margin - (ttl * self._drift_factor + DRIFT_FLOOR)
+
+    def leave_to_reaper(self, margin: float) -> None:
+        """Count the lock valid only until ``margin`` seconds of its TTL are left, from now on.
+
+        A reaper may release a lock whose holder it judges dead before its TTL
+        has run out (see :mod:`celery_redlock.celery.reaper`). A holder that
+        only looks dead (cut off from the store while it runs) must count its
+        lock lost before then, so this lease's deadline, and every deadline a
+        renewal sets, comes ``margin`` seconds before the TTL's end.
+        """
+        self.reap_margin = margin
+        if self.deadline is not None:
+            self.deadline -= margin
 
     def renew_resp(self) -> tuple[bytes, bytes]:
         """This lease's part of a batched renewal, encoded as the server reads it (RESP).

@@ -855,3 +855,26 @@ def test_distinct_completed_tasks_leave_only_the_fence_counter(make_app, redis_s
         fences = [result.get(timeout=30) for result in results]
     assert len(set(fences)) == 200
     assert redis_server.client().keys("redlock:*") == [b"redlock:v1:fence"]
+
+
+@pytest.mark.parametrize(
+    ("ttl", "conf", "low", "high"),
+    [
+        # Twice the silence limit or less: the reaper cannot act before the TTL ends.
+        (10.0, {}, 9.7, 10.0),
+        (120.0, {}, 118.5, 120.0),
+        # Longer: the lease ends before the earliest release the reaper may make.
+        (600.0, {}, 353.0, 360.0),
+        (600.0, {"redlock_reaper_unresponsive_after": 200}, 487.0, 494.0),
+        (600.0, {"redlock_reaper": False}, 590.0, 600.0),
+    ],
+)
+def test_a_long_ttl_counts_lost_before_the_reaper_may_release_it(make_app, ttl, conf, low, high):
+    """A holder cut off while it runs counts its lock lost before a reaper may take it away."""
+    app = make_app(task_always_eager=True, **conf)
+
+    @app.task(base=SingletonTask, name="t.remaining", lock_ttl=ttl)
+    def remaining():
+        return current_lock().remaining()
+
+    assert low < remaining.delay().get() <= high

@@ -8,11 +8,13 @@ from celery_redlock.celery.reaper import (
     PID_GONE,
     WORKER_SILENT,
     SilenceTracker,
+    holder_margin,
     judge,
     renewal_overdue,
 )
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.inventory import LockInfo, PermitInfo
+from celery_redlock.core.lease import Lease
 
 NODE, HOST = "w1@box", "box"
 KEY = "redlock:v1:{app.t:" + "0" * 64 + "}"
@@ -124,3 +126,27 @@ def test_a_permit_is_judged_on_its_own_holder_by_the_rules_of_a_lock():
     assert found.max_pttl_ms == 30_000 and "the permit was last renewed 40.0s ago" in found.evidence
     # The semaphore's own entry names no holder: only its permits are judged.
     assert verdict(LockInfo(KEY, "app.t", "", None, 1.0, 9, 1000.0, permits=(permit(),))) is None
+
+
+@pytest.mark.parametrize(
+    ("ttl", "silence", "margin"),
+    [(10.0, 60.0, 0.0), (120.0, 60.0, 0.0), (121.0, 60.0, 0.5), (600.0, 60.0, 240.0)],
+)
+def test_a_holder_leaves_the_reaper_what_its_ttl_exceeds_twice_the_silence(ttl, silence, margin):
+    """The worker-silent rule releases no sooner than the silence after half the TTL."""
+    assert holder_margin(ttl, silence) == margin
+
+
+def test_a_lease_left_to_the_reaper_keeps_the_margin_through_renewals():
+    """Acquired and renewed alike, the lease ends ``margin`` before the TTL would."""
+    now = [100.0]
+    lease = Lease(client=None, name="k", token=b"t", fence=1, ttl=600, sent_at=now[0],
+                  clock=lambda: now[0], drift_factor=0.0)  # fmt: skip
+    full = lease.remaining()
+    lease.leave_to_reaper(240.0)
+    assert lease.remaining() == pytest.approx(full - 240.0)
+    now[0] = 300.0
+    lease.validate_until(300.0, 600.0)  # a renewal granting the whole TTL again
+    assert lease.remaining() == pytest.approx(full - 240.0)
+    now[0] = 300.0 + full - 240.0
+    assert lease.lost

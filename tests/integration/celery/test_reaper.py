@@ -322,3 +322,40 @@ def test_a_permit_whose_worker_answers_stays_though_it_looks_overdue(
     reaped = [report(storm_app, w)["reaped"] for w in (judge, alive)]
     assert sum(counts["worker_silent"] for counts in reaped) == 1
     assert sum(counts["pid_gone"] for counts in reaped) == 0
+
+
+@pytest.mark.timeout(120)
+def test_silence_counts_only_from_when_the_lock_was_first_seen_unrenewed(
+    storm_app: Celery, db9: redis.Redis, prefix: str
+) -> None:
+    """A worker silent for long (an older lock of it went unrenewed) may have been cut off
+    only now, its newer lock still valid to its holder: that lock goes only once it has
+    itself been seen unrenewed for the whole silence limit."""
+    ghost = f"ghost-{prefix}@far-away"
+    older, newer = (
+        f"{prefix}:v1:{{storm.hold:{'0a' * 32}}}",
+        f"{prefix}:v1:{{storm.hold:{'0b' * 32}}}",
+    )
+    now = [0.0]
+    reaper = Reaper(
+        storm_app,
+        f"judge-{prefix}@here",
+        interval=60.0,
+        unresponsive_after=10.0,
+        store=LockStore(parse_store(storm_app.conf)),
+        ping=lambda app, nodes, timeout: set(),  # the ghost never answers
+        clock=lambda: now[0],
+    )
+    try:
+        plant(db9, older, foreign(ghost, "far-away", 4242), 25_000)
+        assert reaper.run_once() == []  # silence starts: 0 s
+        now[0] = 20.0
+        plant(db9, newer, foreign(ghost, "far-away", 4243), 25_000)  # renewals stop only now
+        assert [r.info.key for r in reaper.run_once()] == [older]  # silent 20 s, seen 20 s
+        assert db9.exists(newer)
+        now[0] = 29.0
+        assert reaper.run_once() == []  # the newer lock: seen unrenewed for 9 s only
+        now[0] = 30.5
+        assert [r.info.key for r in reaper.run_once()] == [newer]
+    finally:
+        reaper.store.close()
