@@ -16,8 +16,11 @@ two kinds of proof, the same for both:
 * **worker silent**: the holder's worker has not answered a ping for
   ``redlock_reaper_unresponsive_after`` seconds *and* the lock's (or the
   permit's own) TTL shows that its renewals stopped: more than half of it is
-  gone since the last renewal, while the watchdog renews every third. A worker
-  that is merely busy (a solo pool running a long task cannot answer a ping)
+  gone since the last renewal, while the watchdog renews every third (its
+  worker is then pinged), and at most half of it less the silence limit is
+  left (it is then released: see :func:`holder_margin` for why, and why a
+  TTL of at most twice the silence limit is left to expire). A worker that
+  is merely busy (a solo pool running a long task cannot answer a ping)
   still renews, so its locks and permits never meet the second condition.
 
 Anything else is left to its TTL: a holder on another host that answers, or
@@ -33,7 +36,6 @@ its evidence and counted (``celery_redlock_reaped_total``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 import threading
@@ -88,13 +90,15 @@ DEFAULT_UNRESPONSIVE_AFTER = 60.0
 def holder_margin(ttl: float, unresponsive_after: float) -> float:
     """Seconds before the end of its TTL at which a task's lock must count as lost to its holder.
 
-    The worker-silent rule releases a lock no sooner than ``unresponsive_after``
-    seconds after a reaper first saw it overdue (more than ``1 - OVERDUE_SHARE``
-    of its TTL gone since its last renewal). A holder that only looks dead (cut
-    off from the store and its broker while its task runs) still counts its
-    lock valid until its TTL has run out. It must count it lost first: that
-    takes a margin only when the TTL is longer than twice the silence (with
-    the defaults, 120 s); the lease keeps it (``Lease.leave_to_reaper``).
+    The worker-silent rule releases a lock only once at most
+    ``ttl * OVERDUE_SHARE - unresponsive_after`` seconds of its TTL are left
+    (checked again on the server as it deletes), so no sooner than half the
+    TTL plus the silence limit after its last renewal, and never when the TTL
+    is at most twice the silence limit (120 s with the defaults): such locks
+    expire on their own first. A holder that only looks dead (cut off from the
+    store and its broker while its task runs) still counts its lock valid
+    until its TTL has run out. It must count it lost before that release: the
+    lease keeps this margin (``Lease.leave_to_reaper``).
     """
     return max(0.0, ttl * OVERDUE_SHARE - unresponsive_after)
 
@@ -157,9 +161,8 @@ def judge(
         info: The lock, or one permit of a semaphore, as read.
         node: The judging worker's node name.
         host: The judging worker's host name.
-        silent_for: Seconds a worker node has failed to answer pings, counted
-            no further back than when this lock or permit was first seen
-            overdue (``None``: it answered the latest one, or was never asked).
+        silent_for: Seconds a worker node has failed to answer pings (``None``:
+            it answered the latest one, or was never asked).
         unresponsive_after: Seconds of silence that count as dead.
         alive: Tells whether a pid on this host is alive.
     """
@@ -175,22 +178,23 @@ def judge(
                 f"holder pid {holder.pid} of this worker ({node}) on host {host} is gone",
             )
         return None
-    if not renewal_overdue(info):
+    # No sooner than the silence limit after the renewals were seen to stop:
+    # the holder's lease has ended by then (see holder_margin).
+    most_left_ms = int(holder.ttl_ms * OVERDUE_SHARE - unresponsive_after * 1000)
+    if info.ttl is None or most_left_ms <= 0 or info.ttl * 1000 > most_left_ms:
         return None
     silence = silent_for(holder.hostname)
     if silence is None or silence < unresponsive_after:
         return None
-    assert info.ttl is not None  # renewal_overdue() needs it
     ttl = holder.ttl_ms / 1000
     what = "permit" if isinstance(info, PermitInfo) else "lock"
     return Verdict(
         WORKER_SILENT,
         f"worker {holder.hostname} (host {holder.host}) has not answered a ping for "
-        f"{silence:.1f}s since the {what} was first seen unrenewed (limit "
-        f"{unresponsive_after:g}s) and the {what} was last renewed "
+        f"{silence:.1f}s (limit {unresponsive_after:g}s) and the {what} was last renewed "
         f"{ttl - info.ttl:.1f}s ago ({info.ttl:.1f}s of its {ttl:g}s TTL left; renewed "
         f"every {ttl / 3:.1f}s while its holder runs)",
-        int(holder.ttl_ms * OVERDUE_SHARE),
+        most_left_ms,
     )
 
 
@@ -256,11 +260,6 @@ class Reaped:
         return f"permit {self.permit.slot} of semaphore {self.info.key}"
 
 
-def _ident(info: LockInfo, permit: PermitInfo | None) -> tuple[str, str]:
-    # One holding: a lock's value, or a permit's member (its fence included).
-    return (info.key, info.value if permit is None else permit.member)
-
-
 def _ping(app: Any, nodes: Sequence[str], timeout: float) -> set[str]:
     replies = app.control.ping(destination=list(nodes), timeout=timeout) or ()
     return {node for reply in replies for node in reply}
@@ -280,7 +279,7 @@ class Reaper:
         on_reaped: Called with the reason of each lock or permit released.
         on_pass: Called after each pass that read the store.
         ping: ``(app, nodes, timeout) -> nodes that answered``.
-        clock: Monotonic clock in seconds, for silences and overdue times.
+        clock: Monotonic clock in seconds, for the silences.
     """
 
     def __init__(
@@ -302,10 +301,7 @@ class Reaper:
         self.interval = interval
         self.unresponsive_after = unresponsive_after
         self.store = store
-        self._clock = clock
         self.silence = SilenceTracker(clock)
-        # (key, value or permit member) -> when a pass first saw it overdue.
-        self._overdue_since: dict[tuple[str, str], float] = {}
         self._on_reaped = on_reaped
         self._on_pass = on_pass
         self._ping = ping
@@ -348,15 +344,13 @@ class Reaper:
         # A lock is judged whole; a semaphore permit by permit, each on its own holder.
         held = [(info, permit) for info in locks.values() for permit in info.permits or (None,)]
         self._ask_silent([permit or info for info, permit in held])
-        self._note_overdue(held)
         released = []
         for info, permit in held:
-            ident = _ident(info, permit)
             verdict = judge(
                 permit or info,
                 node=self.node,
                 host=self.host,
-                silent_for=functools.partial(self._silent_for, ident),
+                silent_for=self.silence.silent_for,
                 unresponsive_after=self.unresponsive_after,
             )
             if verdict is None:
@@ -367,27 +361,6 @@ class Reaper:
         self.last_pass = time.monotonic()
         self._on_pass()
         return released
-
-    def _note_overdue(self, held: Sequence[tuple[LockInfo, PermitInfo | None]]) -> None:
-        # Silence counts only from when this reaper first saw a lock or permit
-        # overdue: a worker silent since earlier (an older lock of it went
-        # unrenewed) may have been cut off only now, with this lock still
-        # valid to its holder (see holder_margin).
-        now = self._clock()
-        since = self._overdue_since
-        self._overdue_since = {
-            ident: since.get(ident, now)
-            for info, permit in held
-            if renewal_overdue(permit or info)
-            for ident in (_ident(info, permit),)
-        }
-
-    def _silent_for(self, ident: tuple[str, str], node: str) -> float | None:
-        silence = self.silence.silent_for(node)
-        since = self._overdue_since.get(ident)
-        if silence is None or since is None:
-            return None
-        return min(silence, self._clock() - since)
 
     def _ask_silent(self, held: Iterable[LockInfo | PermitInfo]) -> None:
         # Only the workers of locks and permits whose renewals stopped are

@@ -58,11 +58,11 @@ def use_late_job(
         result = job.result()
     except Exception:
         if follow_up is not None and not node.pollable:
-            _follow(node, follow_up, FOLLOW_UP_TRIES)
+            _follow(node, follow_up.following(), FOLLOW_UP_TRIES)
         return
     if not isinstance(result, Connected):
         if follow_up is not None:
-            _follow(node, follow_up, FOLLOW_UP_TRIES)
+            _follow(node, follow_up.following(), FOLLOW_UP_TRIES)
         return
     conn = result.conn
     if request is None:

@@ -20,10 +20,12 @@ reply it owed is read. It is not closed for owing them while the master may
 just be slow: closing a socket with unread data resets the connection, and a
 reset may make the master drop a request it has not read yet (such as the
 undo behind an acquire). A connection still owing replies :data:`KEEP_FOR`
-node timeouts after it was kept is given up (closed), and the key's next request
-goes on a new one: its peer may be gone without a reset (a host lost behind
-a name that now points elsewhere, a firewall that dropped the connection),
-and the master would stay out of every later vote of a long-lived lock.
+node timeouts after it was kept is given up (closed), and the key's next
+request goes on a new one: its peer may be gone without a reset (a host lost
+behind a name that now points elsewhere, a firewall that dropped the
+connection), and the master would stay out of every later vote of a
+long-lived lock. The follow-up of a late request (its undo, its release:
+``Request.behind``) still goes behind it, however long it has been kept.
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ class ThroughClient:
             owing = self._owing.pop(key, None)
         if owing is not None:
             conn, owed = owing.conn, self._settle(owing)
-            if owed and time.monotonic() < owing.give_up:
+            # A follow-up always goes behind: on a new connection, a master
+            # that resumes could run the request it follows after it.
+            if owed and (request.behind or time.monotonic() < owing.give_up):
                 return self._exchange(key, conn, owed, request, owing.give_up)
             if owed:
                 # Owing past keep_for: the master is hung or the peer gone.

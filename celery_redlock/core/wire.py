@@ -103,7 +103,7 @@ def _with_source(command: tuple[Arg, ...], script: Script | None) -> tuple[Arg, 
 class Request:
     """One command for one master: a script call (EVALSHA, EVAL on NOSCRIPT) or plain."""
 
-    __slots__ = ("_packed", "command", "script", "template")
+    __slots__ = ("_packed", "behind", "command", "script", "template")
 
     def __init__(
         self,
@@ -118,6 +118,16 @@ class Request:
         # The template this request was made from, whose packed parts it reuses.
         self.template = template
         self._packed: dict[PackingKey, Any] = {}
+        # A follow-up (the undo or release of a request that was late): on a
+        # master reached through its client it goes behind its key's kept
+        # connection, however long that has been kept (see through_client).
+        self.behind = False
+
+    def following(self) -> Request:
+        """This request, as the follow-up of an earlier one for its key (see ``behind``)."""
+        copy = Request(self.command, self.script, self.template)
+        copy.behind = True
+        return copy
 
     def packed(self, conn: Any, node: Node) -> Any:
         """Return the command in ``conn``'s wire format: packed once per round, not per master.

@@ -15,7 +15,10 @@ import redis
 
 from celery_redlock import Redlock
 from celery_redlock.core.holder import Holder
+from celery_redlock.core.nodes import bounded_client
+from celery_redlock.core.through_client import ThroughClient, Unanswered
 from celery_redlock.core.volley import Volley
+from celery_redlock.core.wire import Request
 from tests.fault_proxy import DelayProxy
 from tests.integration.test_redlock import wait_until, warm
 
@@ -404,3 +407,26 @@ def test_a_connection_kept_owing_replies_to_a_silent_peer_is_given_up(redis_serv
             return True
 
         assert wait_until(acquired, timeout=15), lock.local.failure
+
+
+@pytest.mark.timeout(60)
+def test_the_follow_up_of_a_late_request_goes_behind_it_however_long_it_was_kept(redis_servers):
+    """An acquire sent behind a kept connection late in its window, then its undo: the undo
+    goes behind it there too, so a hung master that resumes runs the acquire first."""
+    (server,) = redis_servers(1)
+    node_timeout = 0.2
+    through = ThroughClient(bounded_client(server.client(), node_timeout), node_timeout)
+    through.run(Request(("PEXPIRE", "job", 1)))  # a connection in the pool
+    server.pause()
+    try:
+        with pytest.raises(Unanswered):
+            through.run(Request(("PEXPIRE", "job", 60_000)))  # kept, owing its reply
+        with pytest.raises(Unanswered):
+            through.run(Request(("SET", "job", "token-a", "PX", 60_000)))  # behind it
+        through._owing["job"].give_up = time.monotonic() - 1  # the window has passed
+        with pytest.raises(Unanswered):  # sent behind both, not on a new connection
+            through.run(Request.release("job", b"token-a").following())
+    finally:
+        server.resume()
+    check = server.client()
+    assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")

@@ -58,17 +58,26 @@ def test_pid_is_only_evidence_for_this_worker_on_this_host():
 
 
 def test_silent_worker_needs_both_silence_and_stopped_renewals():
-    """Another worker's lock goes only when it was silent long enough AND renewals stopped."""
+    """Another worker's lock goes only when it was silent long enough AND its renewals stopped
+    that long ago: at most half its TTL less the silence limit is left."""
     other = {"node": "w2@far", "host": "far"}
     fresh = lock(**other, left=50.0)  # renewed 10 s ago: its holder renews
     overdue = lock(**other, left=20.0)  # last renewed 40 s ago, due every 20 s
-    assert verdict(fresh, silent=1e9) is None
-    assert verdict(overdue, silent=None) is None  # answered the latest ping
-    assert verdict(overdue, silent=59.0) is None  # not silent long enough
-    found = verdict(overdue, silent=61.0)
+    assert verdict(fresh, silent=1e9, after=10.0) is None
+    assert verdict(overdue, silent=None, after=10.0) is None  # answered the latest ping
+    assert verdict(overdue, silent=9.0, after=10.0) is None  # not silent long enough
+    # Overdue, but not by the silence limit yet: its holder may still count it valid.
+    assert verdict(lock(**other, left=25.0), silent=1e9, after=10.0) is None
+    found = verdict(overdue, silent=11.0, after=10.0)
     assert found is not None and found.reason == WORKER_SILENT
-    assert found.max_pttl_ms == 30_000  # the script checks again: only while still overdue
-    assert "w2@far" in found.evidence and "61.0s" in found.evidence
+    assert found.max_pttl_ms == 20_000  # the script checks again, on every master
+    assert "w2@far" in found.evidence and "11.0s" in found.evidence
+
+
+def test_a_ttl_of_at_most_twice_the_silence_limit_is_left_to_expire():
+    """Such a lock would expire before the rule could apply: it never does."""
+    other = {"node": "w2@far", "host": "far"}
+    assert verdict(lock(**other, left=0.5), silent=1e9, after=30.0) is None
 
 
 def test_values_without_host_ttl_or_holder_are_never_judged():
@@ -119,11 +128,11 @@ def test_a_permit_is_judged_on_its_own_holder_by_the_rules_of_a_lock():
     assert verdict(permit(), alive={4242}) is None
     assert verdict(permit(host="elsewhere")) is None
     other = {"node": "w2@far", "host": "far"}
-    assert verdict(permit(**other, left=50.0), silent=1e9) is None
-    assert verdict(permit(**other, left=20.0), silent=None) is None
-    found = verdict(permit(**other, left=20.0), silent=61.0)
+    assert verdict(permit(**other, left=50.0), silent=1e9, after=10.0) is None
+    assert verdict(permit(**other, left=20.0), silent=None, after=10.0) is None
+    found = verdict(permit(**other, left=20.0), silent=11.0, after=10.0)
     assert found is not None and found.reason == WORKER_SILENT
-    assert found.max_pttl_ms == 30_000 and "the permit was last renewed 40.0s ago" in found.evidence
+    assert found.max_pttl_ms == 20_000 and "the permit was last renewed 40.0s ago" in found.evidence
     # The semaphore's own entry names no holder: only its permits are judged.
     assert verdict(LockInfo(KEY, "app.t", "", None, 1.0, 9, 1000.0, permits=(permit(),))) is None
 

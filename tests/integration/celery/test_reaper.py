@@ -325,17 +325,13 @@ def test_a_permit_whose_worker_answers_stays_though_it_looks_overdue(
 
 
 @pytest.mark.timeout(120)
-def test_silence_counts_only_from_when_the_lock_was_first_seen_unrenewed(
+def test_a_silent_workers_lock_goes_only_once_its_holder_counts_it_lost(
     storm_app: Celery, db9: redis.Redis, prefix: str
 ) -> None:
-    """A worker silent for long (an older lock of it went unrenewed) may have been cut off
-    only now, its newer lock still valid to its holder: that lock goes only once it has
-    itself been seen unrenewed for the whole silence limit."""
+    """However long its worker has been silent, a lock goes only once at most half its TTL
+    less the silence limit is left: its holder, if only cut off, counts it lost by then."""
     ghost = f"ghost-{prefix}@far-away"
-    older, newer = (
-        f"{prefix}:v1:{{storm.hold:{'0a' * 32}}}",
-        f"{prefix}:v1:{{storm.hold:{'0b' * 32}}}",
-    )
+    keys = [f"{prefix}:v1:{{storm.hold:{n * 32}}}" for n in ("0a", "0b")]
     now = [0.0]
     reaper = Reaper(
         storm_app,
@@ -347,15 +343,13 @@ def test_silence_counts_only_from_when_the_lock_was_first_seen_unrenewed(
         clock=lambda: now[0],
     )
     try:
-        plant(db9, older, foreign(ghost, "far-away", 4242), 25_000)
-        assert reaper.run_once() == []  # silence starts: 0 s
-        now[0] = 20.0
-        plant(db9, newer, foreign(ghost, "far-away", 4243), 25_000)  # renewals stop only now
-        assert [r.info.key for r in reaper.run_once()] == [older]  # silent 20 s, seen 20 s
-        assert db9.exists(newer)
-        now[0] = 29.0
-        assert reaper.run_once() == []  # the newer lock: seen unrenewed for 9 s only
-        now[0] = 30.5
-        assert [r.info.key for r in reaper.run_once()] == [newer]
+        # 60 s locks, overdue both (renewals stopped 35 s and 41 s ago), one by more
+        # than the 10 s of silence (at most 20 s left).
+        plant(db9, keys[0], foreign(ghost, "far-away", 4242), 25_000)
+        plant(db9, keys[1], foreign(ghost, "far-away", 4243), 19_000)
+        assert reaper.run_once() == []  # the silence starts
+        now[0] = 1e6
+        assert [r.info.key for r in reaper.run_once()] == [keys[1]]
+        assert db9.exists(keys[0])
     finally:
         reaper.store.close()
