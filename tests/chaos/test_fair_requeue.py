@@ -43,11 +43,12 @@ def test_fair_requeue_soak(celery_chaos: CeleryChaos, task: str, limit: int, cal
     assert max(most_believing(soak.executions).values()) <= limit
     assert len(soak.waits) == calls
     assert soak.faults, "no fault was injected"
-    # Order: a call sent a second or more after another does not start before it
-    # (a fault may let one through: a waiter frozen mid-attempt loses its turn).
-    # With plain backoff (lock_fair=False) this run overtakes 13-20 calls.
+    # Order: a call sent a second or more after another does not start before it,
+    # but for at most one call per fault (a waiter frozen or killed mid-attempt
+    # loses its turn). With plain backoff (lock_fair=False) this run overtakes
+    # 13-20 calls, against 1-5 faults.
     overtaken = soak.overtaken(margin=1.0)
-    assert overtaken <= len(soak.faults) // 2, f"{overtaken} calls overtaken by later ones"
+    assert overtaken <= len(soak.faults), f"{overtaken} calls overtaken by later ones"
     over = soak.over_bound()
     assert not over, (
         f"{len(over)} waits over their bound (wait, bound): {sorted(over.values())[-5:]}; "
