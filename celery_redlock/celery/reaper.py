@@ -51,8 +51,6 @@ from celery_redlock.core.reclaim import delete_permit, reap_lock
 from celery_redlock.core.recovery import lock_prefixes, pid_alive
 from celery_redlock.core.store import LockStore
 
-from .settings import flag
-
 __all__ = [
     "DEFAULT_UNRESPONSIVE_AFTER",
     "OVERDUE_SHARE",
@@ -104,14 +102,15 @@ def holder_margin(ttl: float, unresponsive_after: float) -> float:
 
 
 def app_holder_margin(conf: Mapping[str, Any], ttl: float) -> float:
-    """:func:`holder_margin` under the app's reaper settings; 0 with ``redlock_reaper = False``.
+    """:func:`holder_margin` under the app's ``redlock_reaper_unresponsive_after``.
+
+    Kept with ``redlock_reaper = False`` too: other workers' reapers judge
+    this process's locks by their own settings.
 
     Raises:
-        ConfigurationError: Naming ``redlock_reaper`` or
-            ``redlock_reaper_unresponsive_after`` if either holds a bad value.
+        ConfigurationError: Naming ``redlock_reaper_unresponsive_after`` if it
+            holds a bad value.
     """
-    if not flag(conf, "redlock_reaper", True):
-        return 0.0
     silence = conf.get("redlock_reaper_unresponsive_after")
     if silence is None:
         return holder_margin(ttl, DEFAULT_UNRESPONSIVE_AFTER)
@@ -364,13 +363,15 @@ class Reaper:
 
     def _ask_silent(self, held: Iterable[LockInfo | PermitInfo]) -> None:
         # Only the workers of locks and permits whose renewals stopped are
-        # pinged: a healthy store costs no ping at all.
+        # pinged: a healthy store costs no ping at all. Nor are those of a TTL
+        # the rule cannot apply to (at most twice the silence limit).
         nodes = sorted(
             {
                 info.holder.hostname
                 for info in held
                 if info.holder is not None
                 and info.holder.hostname != self.node
+                and holder_margin((info.holder.ttl_ms or 0) / 1000, self.unresponsive_after) > 0
                 and renewal_overdue(info)
             }
         )
