@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from celery_redlock.calls.options import OPTIONS
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.inventory import LockInfo, PermitInfo, clients_of, find_locks
@@ -338,7 +340,16 @@ class Reaper:
         clients = clients_of(self.store)
         locks: dict[str, LockInfo] = {}
         for client in clients:
-            for info in find_locks(client, lock_prefixes(self.app), semaphores=True):
+            try:
+                found = list(find_locks(client, lock_prefixes(self.app), semaphores=True))
+            except RedisError as exc:
+                if len(clients) == 1:
+                    raise
+                # One Redlock master down: the others' locks are still judged
+                # (each delete checks that master's own copy).
+                logger.warning("celery-redlock: reaper could not read a master (%r)", exc)
+                continue
+            for info in found:
                 locks.setdefault(info.key, info)
         # A lock is judged whole; a semaphore permit by permit, each on its own holder.
         held = [(info, permit) for info in locks.values() for permit in info.permits or (None,)]
@@ -381,10 +392,18 @@ class Reaper:
 
     def _release(self, clients: Sequence[Any], reaped: Reaped) -> bool:
         info, verdict, permit = reaped.info, reaped.verdict, reaped.permit
-        if permit is None:
-            deleted = sum(int(reap_lock(c, info, verdict.max_pttl_ms)) for c in clients)
-        else:
-            deleted = sum(int(delete_permit(c, info, permit, verdict.max_pttl_ms)) for c in clients)
+        deleted = 0
+        for client in clients:
+            try:
+                if permit is None:
+                    deleted += reap_lock(client, info, verdict.max_pttl_ms)
+                else:
+                    deleted += delete_permit(client, info, permit, verdict.max_pttl_ms)
+            except RedisError as exc:
+                if len(clients) == 1:
+                    raise
+                # Logged and counted below if another master's copy went.
+                logger.warning("celery-redlock: reaper could not release on a master (%r)", exc)
         if not deleted:
             return False
         holder = reaped.holder

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -353,3 +354,34 @@ def test_a_silent_workers_lock_goes_only_once_its_holder_counts_it_lost(
         assert db9.exists(keys[0])
     finally:
         reaper.store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_redlock_master_down_does_not_stop_the_reaper(redis_servers) -> None:
+    """With one of three masters unreachable, a dead holder's lock still goes from the others."""
+    live = redis_servers(2)
+    app = Celery("reaper-redlock", set_as_current=False)
+    down = "redis://127.0.0.1:1/0?socket_connect_timeout=0.2&socket_timeout=0.2"
+    app.conf.redlock_url = [server.url for server in live] + [down]
+    node = "prefork-reaper@here"
+    holder = Holder(
+        task_id="t-1",
+        hostname=node,
+        pid=dead_pid(),
+        token=uuid.uuid4().hex,
+        acquired_ms=int(time.time() * 1000),
+        ttl_ms=60_000,
+        host=socket.gethostname(),
+    )
+    key = "redlock:v1:{t.x:" + "0c" * 32 + "}"
+    for server in live:
+        plant(server.client(), key, holder, 60_000)
+    reaper = Reaper(
+        app, node, interval=60.0, unresponsive_after=60.0, store=LockStore(parse_store(app.conf))
+    )
+    try:
+        reaped = reaper.run_once()
+    finally:
+        reaper.store.close()
+    assert [(r.info.key, r.verdict.reason) for r in reaped] == [(key, "pid_gone")]
+    assert not any(server.client().exists(key) for server in live)
