@@ -341,13 +341,13 @@ class Node:
         reply is owed (see :mod:`~celery_redlock.core.through_client`).
 
         Raises:
-            redis.exceptions.ConnectionError: If this master already has
-                ``MAX_JOBS`` jobs running or waiting: it is not answering.
+            redis.exceptions.ConnectionError: If ``MAX_JOBS`` jobs are running or waiting
+                (the master is not answering), unless ``request`` follows one (``behind``).
         """
         self._after_fork()
         key = None if self.pollable else request.key
         with self._guard:
-            if self._jobs >= MAX_JOBS:
+            if self._jobs >= MAX_JOBS and not request.behind:
                 raise redis.ConnectionError(f"{MAX_JOBS} connection attempts still pending")
             generation = self._generation
             previous = None if key is None else self._chains.get(key)

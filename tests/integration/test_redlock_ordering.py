@@ -7,6 +7,7 @@ proxy, a paused server) and check that no late request undoes a later one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
@@ -15,7 +16,7 @@ import redis
 
 from celery_redlock import Redlock
 from celery_redlock.core.holder import Holder
-from celery_redlock.core.nodes import bounded_client
+from celery_redlock.core.nodes import MAX_JOBS, bounded_client, node_for
 from celery_redlock.core.through_client import ThroughClient, Unanswered
 from celery_redlock.core.volley import Volley
 from celery_redlock.core.wire import Request
@@ -428,5 +429,26 @@ def test_the_follow_up_of_a_late_request_goes_behind_it_however_long_it_was_kept
             through.run(Request.release("job", b"token-a").following())
     finally:
         server.resume()
+    check = server.client()
+    assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
+
+
+@pytest.mark.timeout(60)
+def test_a_follow_up_runs_though_its_master_has_every_job_slot_taken(redis_servers):
+    """A hung master reached through its client fills its job slots, and further requests are
+    refused at once; the undo of a request already sent still runs, behind it."""
+    (server,) = redis_servers(1)
+    node = node_for(server.client(protocol=3), 1.0)
+    node.start(Request(("SET", "job", "token-a", "PX", 60_000))).result()  # a connection
+    server.pause()
+    try:
+        jobs = [node.start(Request(("SET", "job", "token-a", "PX", 60_000)))]
+        jobs += [node.start(Request(("SET", f"other{i}", "x"))) for i in range(MAX_JOBS - 1)]
+        with pytest.raises(redis.ConnectionError):
+            node.start(Request(("SET", "another", "x")))
+        jobs.append(node.start(Request.release("job", b"token-a").following()))
+    finally:
+        server.resume()
+    concurrent.futures.wait(jobs, timeout=10)
     check = server.client()
     assert wait_until(lambda: check.get("job") is None, timeout=3), check.get("job")
