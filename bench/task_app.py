@@ -220,28 +220,26 @@ def _lock_store() -> redis.Redis:
     return _lock_store_client
 
 
-@app.task(name="bench.bare_lock")  # type: ignore[untyped-decorator]
-def bare_lock(i: int) -> int:
-    """Return ``i`` inside celery-redlock's bare ``Lock`` (no watchdog, no guard around it)."""
-    lock = CoreLock(_lock_store(), f"task_bench:bare:{i}", timeout=60)
+def _inside(lock: Any, i: int) -> int:
+    """Return ``i`` between an uncontended ``lock.acquire`` and ``lock.release``."""
     if not lock.acquire(blocking=False):
-        raise RuntimeError(f"the bare lock's uncontended acquire failed for {i}")
+        raise RuntimeError(f"the uncontended acquire of {lock!r} failed")
     try:
         return i
     finally:
         lock.release()
+
+
+@app.task(name="bench.bare_lock")  # type: ignore[untyped-decorator]
+def bare_lock(i: int) -> int:
+    """Return ``i`` inside celery-redlock's bare ``Lock`` (no watchdog, no guard around it)."""
+    return _inside(CoreLock(_lock_store(), f"task_bench:bare:{i}", timeout=60), i)
 
 
 @app.task(name="bench.redispy_lock")  # type: ignore[untyped-decorator]
 def redispy_lock(i: int) -> int:
     """Return ``i`` inside redis-py's own ``Lock``."""
-    lock = _lock_store().lock(f"task_bench:redispy:{i}", timeout=60)
-    if not lock.acquire(blocking=False):
-        raise RuntimeError(f"redis-py's uncontended acquire failed for {i}")
-    try:
-        return i
-    finally:
-        lock.release()
+    return _inside(_lock_store().lock(f"task_bench:redispy:{i}", timeout=60), i)
 
 
 @app.task(name="bench.hold", base=SingletonTask, lock_ttl=HOLD_TTL)  # type: ignore[untyped-decorator]

@@ -181,8 +181,8 @@ def judge(
         return None
     # No sooner than the silence limit after the renewals were seen to stop:
     # the holder's lease has ended by then (see holder_margin).
-    most_left_ms = int(holder.ttl_ms * OVERDUE_SHARE - unresponsive_after * 1000)
-    if info.ttl is None or most_left_ms <= 0 or info.ttl * 1000 > most_left_ms:
+    most_left_ms = int(holder_margin(holder.ttl_ms / 1000, unresponsive_after) * 1000)
+    if info.ttl is None or not most_left_ms or info.ttl * 1000 > most_left_ms:
         return None
     silence = silent_for(holder.hostname)
     if silence is None or silence < unresponsive_after:

@@ -175,10 +175,8 @@ class Lock(PerThreadLock):
         local = self.local
         local.place = None
         stop_trying_at = None
-        clock: Clock = self._clock
-        pause: Callable[[float], None] = time.sleep
         if blocking:  # a single attempt (every task's) needs neither the clock nor the sleep
-            clock, pause = waiting_time(clock)
+            clock, pause = waiting_time(self._clock)
             if blocking_timeout is None:
                 blocking_timeout = self.blocking_timeout
             if blocking_timeout is not None:

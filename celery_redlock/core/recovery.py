@@ -27,8 +27,7 @@ from typing import Any
 
 from .holder import Holder
 from .inventory import LockInfo, PermitInfo, find_locks
-from .reclaim import delete_permit
-from .scripts import RELEASE
+from .reclaim import delete_permit, reap_lock
 
 __all__ = ["lock_prefixes", "pid_alive", "recover_stale", "stale_for"]
 
@@ -123,7 +122,7 @@ def recover_stale(
     for info in find_locks(client, prefixes, semaphores=True):
         if info.permits is not None:
             released += _recover_permits(client, info, node, host, alive)
-        elif stale_for(info, node, host, alive) and RELEASE(client, (info.key,), (info.value, "0")):
+        elif stale_for(info, node, host, alive) and reap_lock(client, info):
             assert info.holder is not None
             _log(f"lock {info.key}", info.task, info.holder, node, info.fence)
             released.append(info)

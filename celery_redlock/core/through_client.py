@@ -125,10 +125,8 @@ class ThroughClient:
             # that resumes could run the request it follows after it.
             if owed and (request.behind or time.monotonic() < owing.give_up):
                 return self._exchange(key, conn, owed, request, owing.give_up)
-            if owed:
-                # Owing past keep_for: the master is hung or the peer gone.
-                conn.disconnect()
-                pool.release(conn)
+            if owed:  # owing past keep_for: the master is hung or the peer gone
+                self._close(conn)
         return self._exchange(key, checkout(pool), 0, request)
 
     def _exchange(
@@ -161,18 +159,22 @@ class ThroughClient:
                 with self._guard:
                     self._owing[key] = kept
                 raise Unanswered(str(exc)) from exc
-            conn.disconnect()
-            pool.release(conn)
+            self._close(conn)
             raise
         except ResponseError:
             pool.release(conn)
             raise
         except BaseException:
-            conn.disconnect()
-            pool.release(conn)
+            self._close(conn)
             raise
         pool.release(conn)
         return reply
+
+    def _close(self, conn: Any) -> None:
+        """Close ``conn`` (it may owe replies) and hand it back to its pool."""
+        assert self._pool is not None
+        conn.disconnect()
+        self._pool.release(conn)
 
     def _settle(self, owing: _Owing) -> int:
         """Read the replies ``owing``'s connection has received; return how many it still owes.
