@@ -193,7 +193,8 @@ class Round:
         try:
             self._jobs[self.nodes[i].start(request)] = i
         except RedisError as exc:
-            self.outcomes[i] = exc
+            # A retry refused a slot: its first send may still have run.
+            self.outcomes[i] = redis.ConnectionError(str(exc)) if i in self._retried else exc
             self._failed.append(i)
 
     def write(

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from .lanes import changed
 from .nodes import Connected, Node
-from .through_client import Unanswered
+from .through_client import NotSent, Unanswered
 from .wire import Request
 
 __all__ = ["FOLLOW_UP_TRIES", "job_outcome", "use_late_job"]
@@ -52,10 +52,13 @@ def use_late_job(
     so its ``follow_up`` goes after it. It goes after a failure too: a request
     that timed out waiting for its reply may still be run by a master that
     resumes, and an acquire would then hold the key with nobody to release it;
-    the follow-up then goes behind it on its connection.
+    the follow-up then goes behind it on its connection. Not after a request
+    that was never written (:class:`NotSent`): the master cannot have run it.
     """
     try:
         result = job.result()
+    except NotSent:
+        return  # the master never got the request: nothing to follow
     except Exception:
         if follow_up is not None and not node.pollable:
             _follow(node, follow_up.following(), FOLLOW_UP_TRIES)

@@ -15,7 +15,6 @@ connections are in :mod:`celery_redlock.core.wire`.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import threading
 import time
 import weakref
@@ -28,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .forks import in_forked_children
+from .job_slots import JobSlots
 from .lanes import Lane, ThreadLane, weak_hand_back
 from .through_client import ThroughClient
 from .wire import Request
@@ -40,8 +40,7 @@ Master = Union[str, Any]
 #: Idle connections kept per master; more are closed when returned.
 MAX_IDLE = 16
 #: Background jobs (connects, or commands on clients that cannot be polled) a
-#: master may have at once. A hung master thus ties up a few pool threads, and
-#: further requests to it fail at once instead of queueing behind them.
+#: master may have at once (see :mod:`~celery_redlock.core.job_slots`).
 MAX_JOBS = 4
 #: Most replies a parked connection may owe for a request to be pipelined behind them.
 MAX_OWED = 4
@@ -234,11 +233,7 @@ class Node:
         self._lanes = ThreadLane()
         # connection -> (replies owed, when to give up on them, reserved)
         self._parked: dict[Any, tuple[int, float, bool]] = {}
-        self._jobs = 0
-        # Key -> the latest job run through the client for it (masters that
-        # cannot be polled): the next one for that key waits for it to end,
-        # and goes on its connection if its reply is still owed.
-        self._chains: dict[Any, concurrent.futures.Future[Any]] = {}
+        self.jobs = JobSlots(MAX_JOBS)
         self._through = None if self.client is None else ThroughClient(self.client, self.timeout)
 
     def checkout(self) -> tuple[Any, int] | None:
@@ -332,40 +327,19 @@ class Node:
         The connection comes back unused: the caller sends on it, so a request
         nobody waits for any more is never sent (see :meth:`Round.finish`).
 
-        Through a client, the master may run two requests of two connections
-        in either order: a release could run before the acquire it undoes,
-        which would then hold the key for its whole TTL (for ever without one).
-        So a request for a key starts only once the job of the previous
-        request for that key has ended, as the asyncio Redlock chains its
-        requests per key, and goes on that request's connection while its
-        reply is owed (see :mod:`~celery_redlock.core.through_client`).
+        Through a client, a request for a key starts once the job of the
+        previous request for that key has ended (see
+        :class:`~celery_redlock.core.job_slots.JobSlots`), and goes on that
+        request's connection while its reply is owed (see
+        :mod:`~celery_redlock.core.through_client`).
 
         Raises:
-            redis.exceptions.ConnectionError: If ``MAX_JOBS`` jobs are running or waiting
-                (the master is not answering), unless ``request`` follows one (``behind``).
+            NotSent: If ``MAX_JOBS`` jobs are running or waiting (the master is
+                not answering), unless ``request`` follows one or may wait.
         """
         self._after_fork()
         key = None if self.pollable else request.key
-        with self._guard:
-            if self._jobs >= MAX_JOBS and not request.behind:
-                raise redis.ConnectionError(f"{MAX_JOBS} connection attempts still pending")
-            generation = self._generation
-            previous = None if key is None else self._chains.get(key)
-            # Submitted under the lock, so that two threads chain in one order.
-            job = _background().submit(self._job, request, previous)
-            self._jobs += 1
-            if key is not None:
-                self._chains[key] = job
-        # Not a lambda naming the job: a cycle keeping this node's connections.
-        job.add_done_callback(functools.partial(self._job_done, generation, key))
-        return job
-
-    def _job_done(self, generation: int, key: Any, job: concurrent.futures.Future[Any]) -> None:
-        with self._guard:
-            if generation == self._generation:
-                self._jobs -= 1
-                if key is not None and self._chains.get(key) is job:
-                    del self._chains[key]
+        return self.jobs.start(_background(), self._job, request, key)
 
     def _job(self, request: Request, previous: concurrent.futures.Future[Any] | None) -> Any:
         if not self.pollable:

@@ -41,6 +41,7 @@ from .redlock_lease import RedlockLease
 from .replies import Holder, as_bytes, holder_of, most_common_holder, refusal_of_acquire
 from .scripts import ACQUIRE, RAISE_FENCE, RELEASE
 from .shot import Shot
+from .through_client import NotSent
 from .wire import Request, Template
 
 __all__ = ["Redlock", "RedlockLease", "bounded_client"]
@@ -292,15 +293,19 @@ class Redlock(Lock):
 
         Masters that have not answered get the release on the same connection,
         right behind the acquire, and are not waited for. Masters that failed
-        may have run the acquire before failing, so they get it too, unawaited.
-        Masters that refused hold nothing of ours. Only the release on masters
-        that said yes is awaited (within the node timeout), so a failed attempt
-        leaves no key behind on a master that answered.
+        may have run the acquire before failing, so they get it too, unawaited,
+        unless it was never sent to them (``NotSent``). Masters that refused
+        hold nothing of ours. Only the release on masters that said yes is
+        awaited (within the node timeout), so a failed attempt leaves no key
+        behind on a master that answered.
         """
         release = self._release.request(token)
         grant.finish(follow_up=release)
         requests = [
-            release if i in granted or isinstance(outcome, BaseException) else None
+            release
+            if i in granted
+            or (isinstance(outcome, BaseException) and not isinstance(outcome, NotSent))
+            else None
             for i, outcome in enumerate(grant.outcomes)
         ]
         waiting = set(granted)

@@ -26,6 +26,10 @@ behind a name that now points elsewhere, a firewall that dropped the
 connection), and the master would stay out of every later vote of a
 long-lived lock. The follow-up of a late request (its undo, its release:
 ``Request.behind``) still goes behind it, however long it has been kept.
+
+A request whose connection could not be opened (refused, or its handshake
+unanswered) was never written: it raises :class:`NotSent`, and needs no
+follow-up, since the master cannot have run it.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ import threading
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .reserved import checkout
 from .wire import Request
 
-__all__ = ["KEEP_FOR", "ThroughClient", "Unanswered"]
+__all__ = ["KEEP_FOR", "NotSent", "ThroughClient", "Unanswered"]
 
 #: Node timeouts a connection owing replies stays kept for its key: as long as
 #: the follow-up of a late request is tried for (``late_jobs.FOLLOW_UP_TRIES``).
@@ -53,6 +58,14 @@ class Unanswered(RedisTimeoutError):
 
     The master runs it after them whenever it runs them: sending it again
     would not make it run sooner.
+    """
+
+
+class NotSent(RedisConnectionError):
+    """A request that failed before any byte of it was written: the master never got it.
+
+    Its connection could not be opened, or it was refused a job slot. It
+    cannot have run, so nothing it did needs undoing.
     """
 
 
@@ -111,6 +124,7 @@ class ThroughClient:
         Raises:
             Unanswered: If its reply did not come within the socket timeout:
                 the connection is kept, owing it, for the key's next request.
+            NotSent: If no connection could be opened for it: it was never written.
             redis.exceptions.RedisError: What the connection or the master raised.
         """
         key = request.key
@@ -127,7 +141,12 @@ class ThroughClient:
                 return self._exchange(key, conn, owed, request, owing.give_up)
             if owed:  # owing past keep_for: the master is hung or the peer gone
                 self._close(conn)
-        return self._exchange(key, checkout(pool), 0, request)
+        try:
+            # Opened (and its handshake answered) before the request is written.
+            conn = checkout(pool)
+        except RedisError as exc:
+            raise NotSent(str(exc)) from exc
+        return self._exchange(key, conn, 0, request)
 
     def _exchange(
         self, key: Any, conn: Any, owed: int, request: Request, give_up: float | None = None

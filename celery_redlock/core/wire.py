@@ -151,6 +151,15 @@ class Request:
             self._packed[key] = found
         return found
 
+    @property
+    def may_wait(self) -> bool:
+        """Whether it may wait for a busy master's job slot: a release, harmless whenever it runs.
+
+        It deletes the key only where the key holds its token, and every
+        attempt stores a value of its own (see ``Redlock._attempt_value``).
+        """
+        return self.script is RELEASE
+
     @classmethod
     def run(cls, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
         """A script call by SHA, resent with its source where the master lacks it."""
