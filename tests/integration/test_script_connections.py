@@ -126,6 +126,24 @@ def test_a_timed_out_reply_is_never_read_as_the_next_calls(redis_server: RedisSe
     assert reply == b"next"
 
 
+def test_a_command_larger_than_the_socket_buffer_is_written_whole(
+    redis_server: RedisServer,
+) -> None:
+    """A write that takes only part of a command hands the rest to ``sendall``.
+
+    A small send buffer makes the first ``write()`` stop short; a command cut
+    or sent twice would leave the server waiting or answering something else.
+    """
+    client = redis_server.client(socket_timeout=5)
+    assert ECHO(client, [], [b"warm"]) == b"warm"  # the reserved connection is open
+    reserved = reserved_for(client.connection_pool)
+    assert reserved is not None and reserved.connection is not None
+    reserved.connection._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    large = os.urandom(4 * 2**20)
+    assert ECHO(client, [], [large]) == large
+    assert ECHO(client, [], [b"after"]) == b"after"
+
+
 def test_scripts_run_over_either_protocol(redis_server: RedisServer) -> None:
     """Replies of every shape read alike over RESP2 and RESP3 (redis-py 8's default)."""
     for protocol in (2, 3):
