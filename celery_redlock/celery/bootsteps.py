@@ -29,6 +29,7 @@ from celery_redlock.core.store import store_for
 
 from . import control, spawned, stats
 from .queues import QueueLocks, lock_queues
+from .worker_ops import read_ops_settings
 
 __all__ = ["RedlockStep", "check_lock_store", "prepare_worker", "recover_at_start"]
 
@@ -141,9 +142,11 @@ def _pool_size(worker: Any) -> int:
 class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type hints
     """Worker bootstep of celery-redlock (added by :func:`celery_redlock.celery.install`).
 
-    Receives the ``--redlock-queues`` worker option as ``redlock_queues`` and
+    Receives the ``--redlock-queues`` worker option as ``redlock_queues``,
     ``--redlock-recover/--no-redlock-recover`` as ``redlock_recover_stale``
-    (which wins over the setting of that name).
+    (which wins over the setting of that name), and ``--redlock-metrics-port``
+    as ``redlock_metrics_port``, validated here with the other operations
+    settings before the step touches the lock store.
 
     Raises:
         ConfigurationError: Naming the bad setting, option or queue. ``celery
@@ -157,12 +160,16 @@ class RedlockStep(bootsteps.Step):  # type: ignore[misc]  # celery ships no type
         worker: Any,
         redlock_queues: str | None = None,
         redlock_recover_stale: bool | None = None,
+        redlock_metrics_port: Any = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
         consumed = dict(app.amqp.queues.consume_from)
         self.locks = prepare_worker(app, redlock_queues, consumed)
+        # OpsStep, built after this step, uses these; a bad one must stop the
+        # worker before the store check and the stale-lock recovery below.
+        read_ops_settings(app.conf, redlock_metrics_port)
         recover = flag(app.conf, "redlock_recover_stale", True)
         if redlock_recover_stale is not None:
             if not isinstance(redlock_recover_stale, bool):

@@ -146,3 +146,51 @@ def test_with_debug_logging_the_traceback_is_shown(redis_server, prefix, setting
     assert done.returncode != 0
     assert "Traceback (most recent call last)" in done.stderr
     assert done.stderr.rstrip().endswith(f"ConfigurationError: {expected}")
+
+
+def _dead_pid() -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("settings", "options", "expected"),
+    [
+        (
+            {"redlock_reaper_interval": "abc"},
+            (),
+            "redlock_reaper_interval='abc': must be a positive number of seconds",
+        ),
+        (
+            {},
+            ("--redlock-metrics-port", "70000"),
+            "--redlock-metrics-port=70000: must be a port number from 0 to 65535",
+        ),
+    ],
+)
+def test_a_bad_operations_setting_stops_the_worker_before_it_touches_the_store(
+    redis_server, prefix, settings, options, expected
+):
+    """The reaper's and metrics' settings are refused before stale-lock recovery releases anything.
+
+    A worker that is going to refuse to start must leave the lock store as it
+    found it: here a lock its dead earlier run left, which recovery would release.
+    """
+    node = f"worker-{prefix}@{Holder.new('x').host}"
+    key = KeyBuilder(TASK_NAME, lambda account: account, None, prefix).key_for((5,), {})
+    base = Holder.new("dead-task", node, ttl=60)
+    stale = Holder(**{**base.__dict__, "pid": _dead_pid()}).encode()
+    redis_server.client().set(key, stale, px=60_000)
+    done = run_celery(
+        redis_server, prefix, "worker", "-P", "solo", "-n", node, *options, **settings
+    )
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert f"celery-redlock: configuration error: {expected}" in output.splitlines(), output
+    assert redis_server.client().get(key) == stale.encode()
