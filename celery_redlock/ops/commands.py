@@ -109,7 +109,8 @@ prefix_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 timeout_option = click.option(
     "--timeout",
-    type=float,
+    # Zero or less would wait for no reply, and read every worker as gone.
+    type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_TIMEOUT,
     show_default=True,
     help="Seconds to wait for workers' replies.",

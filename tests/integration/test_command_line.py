@@ -194,3 +194,21 @@ def test_a_bad_operations_setting_stops_the_worker_before_it_touches_the_store(
     output = done.stdout + done.stderr
     assert f"celery-redlock: configuration error: {expected}" in output.splitlines(), output
     assert redis_server.client().get(key) == stale.encode()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_timeout_that_waits_for_no_reply_is_refused(redis_server, prefix, timeout):
+    """`release --timeout 0` would read a live holder's worker as gone: a usage error instead.
+
+    Nothing is released: the holder, on a host this machine cannot check,
+    would otherwise be judged by a ping given no time to answer.
+    """
+    key = KeyBuilder(TASK_NAME, lambda account: account, None, prefix).key_for((6,), {})
+    base = Holder.new("far-task", "worker1@far-away", ttl=60)
+    far = Holder(**{**base.__dict__, "host": "far-away"}).encode()
+    redis_server.client().set(key, far, px=60_000)
+    for command in (("release", key), ("stats",)):
+        done = run_celery(redis_server, prefix, "redlock", *command, "--timeout", timeout)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert "Invalid value for '--timeout'" in done.stderr, done.stderr
+    assert redis_server.client().get(key) == far.encode()

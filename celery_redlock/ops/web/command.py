@@ -57,7 +57,8 @@ def _fail(message: str) -> None:
 @click.option("--page-size", type=int, default=50, show_default=True, help="Locks per page.")
 @click.option(
     "--timeout",
-    type=float,
+    # Zero or less would wait for no reply, and read every worker as gone.
+    type=click.FloatRange(min=0, min_open=True),
     default=1.0,
     show_default=True,
     help="Seconds to wait for workers' replies (ping, stats).",
