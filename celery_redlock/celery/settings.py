@@ -293,14 +293,37 @@ def parse_queues(value: Any, setting: str = "redlock_queues") -> dict[str, dict[
 def validate_settings(conf: Mapping[str, Any]) -> None:
     """Reject misspelt ``redlock_*`` settings, which would otherwise be ignored.
 
+    Under a namespace (``config_from_object(..., namespace="CELERY")``, as
+    Django projects load Celery settings) Celery reads a setting as the
+    namespace plus its name in the namespace's case (``CELERY_REDLOCK_TTL``),
+    so such names are checked too.
+
     Raises:
-        ConfigurationError: Naming the unknown setting and the known ones.
+        ConfigurationError: Naming the unknown setting and the closest known
+            one, or every known one when none is close.
     """
+    namespace = getattr(conf, "prefix", None) or ""
     for name in conf:
-        if isinstance(name, str) and name.lower().startswith("redlock_") and name not in SETTINGS:
-            raise ConfigurationError(
-                name, conf[name], f"is not a setting; known: {', '.join(sorted(SETTINGS))}"
-            )
+        if not isinstance(name, str):
+            continue
+        head, rest = "", name
+        if namespace and name.startswith(namespace):
+            head, rest = namespace, name[len(namespace) :]
+        if not rest.lower().startswith("redlock_"):
+            continue
+        # The spelling Celery finds: lower case, or the namespace's case after it.
+        case = str.upper if head and head.isupper() else str.lower
+        if rest == case(rest) and rest.lower() in SETTINGS:
+            continue
+        # Compared without the shared "redlock_", which would make every name
+        # look close to some setting.
+        short = len("redlock_")
+        closest = closest_option(rest.lower()[short:], [known[short:] for known in SETTINGS])
+        if closest:
+            hint = f"did you mean {head}{case('redlock_' + closest)}?"
+        else:
+            hint = f"known: {', '.join(sorted(SETTINGS))}"
+        raise ConfigurationError(name, conf[name], f"is not a setting; {hint}")
 
 
 class _QueueEntry:

@@ -71,6 +71,29 @@ def test_misspelt_setting_is_rejected():
 
 
 @pytest.mark.parametrize(
+    ("misspelt", "closest"),
+    [
+        ("redlock_tll", "redlock_ttl"),
+        ("REDLOCK_TTL", "redlock_ttl"),
+        ("redlock_on_conflcit", "redlock_on_conflict"),
+        ("redlock_queue", "redlock_queues"),
+    ],
+)
+def test_a_misspelt_setting_names_the_closest_one(misspelt, closest):
+    """The error points at the setting meant, not at a list of every setting."""
+    with pytest.raises(ConfigurationError) as info:
+        validate_settings({misspelt: 5})
+    assert info.value.setting == misspelt
+    assert str(info.value).endswith(f"is not a setting; did you mean {closest}?")
+
+
+def test_a_setting_close_to_none_lists_the_known_ones():
+    """Without a close match, the message lists every setting."""
+    with pytest.raises(ConfigurationError, match="is not a setting; known: redlock_enqueue_ttl, "):
+        validate_settings({"redlock_xyzzy": 5})
+
+
+@pytest.mark.parametrize(
     ("conf", "url"),
     [
         ({"redlock_url": "redis://h:1/2"}, "redis://h:1/2"),

@@ -10,6 +10,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_redlock import SKIPPED, ConfigurationError, SingletonTask
+from celery_redlock.celery.settings import resolve
 
 
 def new_app(redis_url: str) -> Celery:
@@ -75,3 +76,47 @@ def test_a_misspelt_lock_option_fails_when_the_task_is_bound(misspelt, closest):
         assert f"did you mean {closest}?" in message
     else:
         assert "did you mean" not in message
+
+
+class _DjangoSettings:
+    """Settings as a Django project holds them, read with ``namespace="CELERY"``."""
+
+    CELERY_BROKER_URL = "memory://"
+    CELERY_REDLOCK_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("misspelt", "closest"),
+    [
+        ("CELERY_REDLOCK_TLL", "CELERY_REDLOCK_TTL"),
+        ("CELERY_redlock_ttl", "CELERY_REDLOCK_TTL"),  # Celery reads only the upper case
+    ],
+)
+def test_a_misspelt_namespaced_setting_fails_when_the_task_is_bound(misspelt, closest):
+    """Under namespace="CELERY" a misspelt CELERY_REDLOCK_* setting is an error, not ignored."""
+    settings = type("Settings", (_DjangoSettings,), {misspelt: 30})
+    app = Celery(f"django-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.config_from_object(settings, namespace="CELERY")
+
+    @app.task(base=SingletonTask, name="opts.django")
+    def django_task():
+        return 1
+
+    with pytest.raises(ConfigurationError) as error:
+        app.finalize()
+    assert error.value.setting == misspelt
+    assert str(error.value).endswith(f"is not a setting; did you mean {closest}?")
+
+
+def test_a_namespaced_setting_spelt_right_is_read():
+    """CELERY_REDLOCK_TTL reaches the task's options; nothing is refused."""
+    settings = type("Settings", (_DjangoSettings,), {"CELERY_REDLOCK_TTL": 30})
+    app = Celery(f"django-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.config_from_object(settings, namespace="CELERY")
+
+    @app.task(base=SingletonTask, name="opts.django")
+    def django_task():
+        return 1
+
+    app.finalize()
+    assert resolve(django_task, app.conf).ttl == 30
