@@ -11,6 +11,7 @@ Rate keys in use are listed and shown with ``used/limit`` (see :mod:`.rates`).
 
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -53,6 +54,17 @@ DEFAULT_TIMEOUT = 1.0
 
 def _app(ctx: click.Context) -> Any:
     return ctx.obj.app
+
+
+def _task_hint(app: Any, task: str | None) -> str:
+    """A note for a ``--task`` that found nothing and is none of the app's tasks."""
+    # Not an error: `singleton` functions' and RQ jobs' locks carry names the app lacks.
+    if task is None or task in app.tasks:
+        return ""
+    names = [name for name in app.tasks if not name.startswith("celery.")]
+    closest = difflib.get_close_matches(task, names, n=1)
+    meant = f"; did you mean {closest[0]}?" if closest else ""
+    return f" ({task} is not a task of this app{meant})"
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -146,7 +158,7 @@ def list_locks(
         _dump([info.as_dict() for info in locks] + [info.as_dict() for info in rates])
         return
     if not locks and not rates:
-        click.echo("no locks held")
+        click.echo("no locks held" + _task_hint(app, task))
         return
     if locks:
         _table(_lock_rows(locks))
@@ -348,7 +360,7 @@ def purge(
     app = _app(ctx)
     locks = _find(app, _prefixes(app, prefixes), task)
     if not locks:
-        click.echo("no locks to delete")
+        click.echo("no locks to delete" + _task_hint(app, task))
         return
     if dry_run or not yes:
         for info in locks:

@@ -212,3 +212,15 @@ def test_a_timeout_that_waits_for_no_reply_is_refused(redis_server, prefix, time
         assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert "Invalid value for '--timeout'" in done.stderr, done.stderr
     assert redis_server.client().get(key) == far.encode()
+
+
+@pytest.mark.parametrize("command", [("list",), ("purge", "--yes")])
+def test_a_task_name_the_app_does_not_have_is_pointed_out(redis_server, prefix, command):
+    """`--task cli.synk` finds nothing, and says the app has no such task but has cli.sync."""
+    key = hold(redis_server, prefix, 7)
+    done = run_celery(redis_server, prefix, "redlock", *command, "--task", "cli.synk")
+    assert done.returncode == 0, done.stderr
+    nothing = "no locks held" if command[0] == "list" else "no locks to delete"
+    hint = "(cli.synk is not a task of this app; did you mean cli.sync?)"
+    assert done.stdout.strip() == f"{nothing} {hint}"
+    assert redis_server.client().exists(key)
