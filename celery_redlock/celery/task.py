@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import weakref
 from functools import partial
 from typing import Any, ClassVar
 
 from celery import Task
 from celery.exceptions import Ignore
 
+from celery_redlock.calls.options import OPTIONS
 from celery_redlock.core.exceptions import ConfigurationError
 from celery_redlock.core.keys import KeyBuilder, KeySpec
 
@@ -29,6 +32,12 @@ from .settings import (
 )
 
 __all__ = ["SingletonTask"]
+
+logger = logging.getLogger(__name__)
+
+# The task classes whose unprefixed options were pointed out: Celery may bind a
+# class more than once, and one warning says it.
+_pointed_out: weakref.WeakSet[type] = weakref.WeakSet()
 
 
 class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
@@ -124,6 +133,7 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
                 getattr(cls, attribute),
                 f"is not a lock option of SingletonTask{hint}",
             )
+        _point_out_unprefixed_options(cls)
         options = resolve(cls, conf)
         lock_url(conf)
         mode_from = f"{cls.name}.lock_mode" if cls.lock_mode is not None else "redlock_mode"
@@ -205,3 +215,28 @@ class SingletonTask(Task):  # type: ignore[misc]  # celery ships no type hints
             LockKeyError: If the arguments cannot make a key.
         """
         return guard_for(self).keys.key_for(args, kwargs)
+
+
+def _point_out_unprefixed_options(task: type[SingletonTask]) -> None:
+    """Warn, once per task class, of lock options given without their ``lock_`` prefix.
+
+    ``@app.task(base=SingletonTask, ttl=30)`` sets an attribute ``ttl`` that
+    no lock reads; ``lock_ttl`` was meant. It may also be the task's own
+    attribute, so this warns rather than refuses. The classes of
+    SingletonTask itself (Celery's ``Task`` among them) are not looked at.
+    """
+    if task in _pointed_out:
+        return
+    _pointed_out.add(task)
+    found: set[str] = set()
+    for klass in task.__mro__:
+        if klass not in SingletonTask.__mro__:
+            found.update(attribute for attribute in vars(klass) if attribute in OPTIONS)
+    for attribute in sorted(found):
+        logger.warning(
+            "celery-redlock: task %s has an attribute %r, which no lock reads: "
+            "lock options take the prefix (did you mean lock_%s?)",
+            task.name,
+            attribute,
+            attribute,
+        )

@@ -78,6 +78,38 @@ def test_a_misspelt_lock_option_fails_when_the_task_is_bound(misspelt, closest):
         assert "did you mean" not in message
 
 
+@pytest.mark.parametrize("unprefixed", ["ttl", "on_conflict", "key"])
+def test_a_lock_option_given_without_its_prefix_is_pointed_out(unprefixed, caplog):
+    """``ttl=30`` sets an attribute no lock reads: a warning names ``lock_ttl``."""
+    app = Celery(f"prefix-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.redlock_url = "redis://127.0.0.1:6379/0"
+
+    @app.task(base=SingletonTask, name="opts.unprefixed", lock_ttl=20, **{unprefixed: 30})
+    def unprefixed_task():
+        return 1
+
+    with caplog.at_level("WARNING", logger="celery_redlock.celery.task"):
+        app.finalize()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "celery_redlock.celery.task"]
+    assert warnings == [
+        f"celery-redlock: task opts.unprefixed has an attribute {unprefixed!r}, which no lock "
+        f"reads: lock options take the prefix (did you mean lock_{unprefixed}?)"
+    ]
+
+
+def test_a_task_with_only_prefixed_options_gets_no_warning(caplog):
+    app = Celery(f"prefix-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    app.conf.redlock_url = "redis://127.0.0.1:6379/0"
+
+    @app.task(base=SingletonTask, name="opts.prefixed", lock_ttl=20, lock_key=["a"])
+    def prefixed(a):
+        return a
+
+    with caplog.at_level("WARNING", logger="celery_redlock.celery.task"):
+        app.finalize()
+    assert [r for r in caplog.records if r.name == "celery_redlock.celery.task"] == []
+
+
 class _DjangoSettings:
     """Settings as a Django project holds them, read with ``namespace="CELERY"``."""
 
