@@ -71,7 +71,8 @@ class JobSlots:
 
         Raises:
             NotSent: If ``limit`` jobs are running or waiting (the master is
-                not answering) and ``request`` may neither wait nor skip the line.
+                not answering) and ``request`` may neither wait nor skip the
+                line, or if ``pool`` takes no more jobs (the interpreter is exiting).
         """
         with self._guard:
             if self.running >= self.limit and not request.behind:
@@ -90,7 +91,11 @@ class JobSlots:
     ) -> concurrent.futures.Future[Any]:
         # Under the lock, so that two threads chain in one order.
         previous = None if key is None else self._chains.get(key)
-        job = pool.submit(run, request, previous)
+        try:
+            job = pool.submit(run, request, previous)
+        except RuntimeError as exc:
+            # Shut down: at interpreter exit, no job is submitted any more.
+            raise NotSent(f"not run: {exc}") from exc
         self.running += 1
         if key is not None:
             self._chains[key] = job
@@ -103,17 +108,29 @@ class JobSlots:
         key: Any,
         job: concurrent.futures.Future[Any],
     ) -> None:
-        """A job ended: its slot goes to the first release waiting, if any."""
+        """A job ended: its slot goes to the first release waiting, if any.
+
+        Once the pool takes no more jobs (the interpreter is exiting), every
+        release waiting fails with :class:`NotSent` instead: none would ever run.
+        """
+        refused: list[tuple[concurrent.futures.Future[Any], NotSent]] = []
+        started = None
         with self._guard:
             self.running -= 1
             if key is not None and self._chains.get(key) is job:
                 del self._chains[key]
-            if not self._waiting or self.running >= self.limit:
-                return
-            request, waiting_key, waiting = self._waiting.popleft()
-            started = self._submit(pool, run, request, waiting_key)
-        started.add_done_callback(functools.partial(self._done, pool, run, waiting_key))
-        started.add_done_callback(functools.partial(_hand_on, waiting))
+            while started is None and self._waiting and self.running < self.limit:
+                request, waiting_key, waiting = self._waiting.popleft()
+                try:
+                    started = self._submit(pool, run, request, waiting_key)
+                except NotSent as exc:
+                    refused.append((waiting, exc))
+        # Outside the lock: ending a future runs its callbacks here.
+        for never_run, error in refused:
+            never_run.set_exception(error)
+        if started is not None:
+            started.add_done_callback(functools.partial(self._done, pool, run, waiting_key))
+            started.add_done_callback(functools.partial(_hand_on, waiting))
 
 
 def _hand_on(waiting: concurrent.futures.Future[Any], job: concurrent.futures.Future[Any]) -> None:

@@ -335,7 +335,8 @@ class Node:
 
         Raises:
             NotSent: If ``MAX_JOBS`` jobs are running or waiting (the master is
-                not answering), unless ``request`` follows one or may wait.
+                not answering), unless ``request`` follows one or may wait; or
+                if the thread pool takes no more jobs (the interpreter is exiting).
         """
         self._after_fork()
         key = None if self.pollable else request.key
