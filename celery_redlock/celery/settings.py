@@ -262,7 +262,10 @@ def parse_queues(value: Any, setting: str = "redlock_queues") -> dict[str, dict[
     if value is None:
         return {}
     if isinstance(value, str):
-        value = [name.strip() for name in value.split(",") if name.strip()]
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        if not names:  # an empty shell variable, say: locking nothing is not what was meant
+            raise ConfigurationError(setting, value, "names no queue; to lock none, leave it unset")
+        value = names
     if isinstance(value, (list, tuple, set, frozenset)):
         value = dict.fromkeys(value)
     if not isinstance(value, Mapping):

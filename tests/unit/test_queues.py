@@ -55,6 +55,8 @@ def test_queue_settings_accept_names_lists_and_mappings(value, expected):
         ({"reports": {"tll": 5}}, "redlock_queues['reports']"),
         ({"reports": 5}, "redlock_queues['reports']"),
         ([""], "redlock_queues"),
+        ("", "redlock_queues"),
+        (" , ", "redlock_queues"),
     ],
 )
 def test_bad_queue_settings_name_the_culprit(value, setting):
