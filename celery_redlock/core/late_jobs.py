@@ -31,12 +31,14 @@ def job_outcome(node: Node, job: concurrent.futures.Future[Any]) -> Any:
     A failure may be a restart, which empties the master's script cache: its
     scripts go with their source until it shows it knows them again.
     """
-    try:
+    # exception(), not result(): raised again here, the error would keep this
+    # thread's frames (the lock's among them) in a cycle through the job.
+    error = job.exception()
+    if error is None:
         return job.result()
-    except Exception as exc:
-        node.scripts.clear()
-        changed()
-        return exc
+    node.scripts.clear()
+    changed()
+    return error
 
 
 def use_late_job(
@@ -55,14 +57,14 @@ def use_late_job(
     the follow-up then goes behind it on its connection. Not after a request
     that was never written (:class:`NotSent`): the master cannot have run it.
     """
-    try:
-        result = job.result()
-    except NotSent:
+    error = job.exception()  # not raised again: see job_outcome
+    if isinstance(error, NotSent):
         return  # the master never got the request: nothing to follow
-    except Exception:
+    if error is not None:
         if follow_up is not None and not node.pollable:
             _follow(node, follow_up.following(), FOLLOW_UP_TRIES)
         return
+    result = job.result()
     if not isinstance(result, Connected):
         if follow_up is not None:
             _follow(node, follow_up.following(), FOLLOW_UP_TRIES)
