@@ -15,6 +15,9 @@ import redis
 
 from tests.redis_servers import BINARY_ENV, RedisServer, RedisServerError, find_redis_server_binary
 
+#: Fails the test that leaves a socket to the garbage collector (see its docstring).
+pytest_plugins = ["tests.leak_guard"]
+
 RedisServersFactory = Callable[[int], list[RedisServer]]
 
 _INTEGRATION_DIR = Path(__file__).parent / "integration"
