@@ -21,6 +21,7 @@ import pytest
 from celery_redlock import Lock
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.keys import KeyBuilder
+from tests.processes import dead_pid
 from tests.redis_servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,16 +149,6 @@ def test_with_debug_logging_the_traceback_is_shown(redis_server, prefix, setting
     assert done.stderr.rstrip().endswith(f"ConfigurationError: {expected}")
 
 
-def _dead_pid() -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout)
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("settings", "options", "expected"),
@@ -185,7 +176,7 @@ def test_a_bad_operations_setting_stops_the_worker_before_it_touches_the_store(
     node = f"worker-{prefix}@{Holder.new('x').host}"
     key = KeyBuilder(TASK_NAME, lambda account: account, None, prefix).key_for((5,), {})
     base = Holder.new("dead-task", node, ttl=60)
-    stale = Holder(**{**base.__dict__, "pid": _dead_pid()}).encode()
+    stale = Holder(**{**base.__dict__, "pid": dead_pid()}).encode()
     redis_server.client().set(key, stale, px=60_000)
     done = run_celery(
         redis_server, prefix, "worker", "-P", "solo", "-n", node, *options, **settings

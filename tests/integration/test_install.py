@@ -16,6 +16,7 @@ from celery_redlock import ConfigurationError, SingletonTask, current_lock, inst
 from celery_redlock.celery import signals as redlock_signals
 from celery_redlock.celery.bootsteps import RedlockStep, check_lock_store
 from tests.celery_harness import wait_until
+from tests.processes import dead_pid
 
 
 @pytest.fixture
@@ -218,16 +219,6 @@ def test_installed_worker_logs_its_locked_queues(app):
     assert any("answers" in line for line in lines)
 
 
-def _dead_pid() -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return int(done.stdout)
-
-
 def test_a_singleton_task_app_is_connected_without_install(app, redis_server):
     """Binding a SingletonTask connects the worker side: recovery, counters, the bootstep."""
     import redis
@@ -245,7 +236,7 @@ def test_a_singleton_task_app_is_connected_without_install(app, redis_server):
     node = f"connected-{uuid.uuid4().hex[:6]}@{Holder.new('x').host}"
     # A lock left by a dead earlier run of this very worker (same node, same host).
     base = Holder.new("dead-task", node, ttl=60)
-    stale = Holder(**{**base.__dict__, "pid": _dead_pid()})
+    stale = Holder(**{**base.__dict__, "pid": dead_pid()})
     client = redis.Redis.from_url(redis_server.url)
     client.set(connected.lock_key_for(), stale.encode(), px=60_000)
     with start_worker(app, pool="solo", perform_ping_check=False, hostname=node):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,18 +21,12 @@ from celery_redlock.core.reclaim import delete_permit
 from celery_redlock.core.recovery import recover_stale
 from celery_redlock.core.semaphore_scripts import RELEASE_PERMIT
 from tests.fault_proxy import ReplyDroppingProxy
+from tests.processes import dead_pid
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.integration
 
 SLOTS = 16384
-
-
-def _dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def _key(task: str, n: int, prefix: str = "ops") -> str:
@@ -66,7 +58,7 @@ def test_find_locks_lists_held_locks_and_skips_fences_and_other_prefixes(r: redi
 
 def test_recovery_releases_only_dead_processes_of_this_node_and_host(r: redis.Redis) -> None:
     """Dead pid + same node + same host: released. Live pid, other node, other host, v1: kept."""
-    dead = _dead_pid()
+    dead = dead_pid()
     here = Holder.new("t", "w1@h").host
     assert here is not None
 
@@ -123,7 +115,7 @@ def _permits(r: redis.Redis, name: str, *holders: Holder) -> list[Semaphore]:
 def test_recovery_frees_only_the_dead_processes_permit_of_a_semaphore(r: redis.Redis) -> None:
     """A semaphore's permit left by a dead process of this node and host is removed alone:
     the permits of a live process, of another node and of another host stay."""
-    dead, here, name = _dead_pid(), Holder.new("t", "w1@h").host, _key("app.s", 1)
+    dead, here, name = dead_pid(), Holder.new("t", "w1@h").host, _key("app.s", 1)
     stale, *kept = _permits(
         r,
         name,
@@ -244,7 +236,7 @@ def _cluster_ok(server: RedisServer) -> bool:
 def test_find_and_recover_on_a_cluster_scan_every_primary(cluster: RedisCluster) -> None:
     """Locks spread over three primaries are all found, read and released through SCAN per node."""
     keys = [_key("app.c", n) for n in range(60)]
-    dead = _dead_pid()
+    dead = dead_pid()
     here = Holder.new("t", "n").host
     for n, key in enumerate(keys):
         base = Holder.new(f"id-{n}", "w1@h", ttl=60)

@@ -26,7 +26,7 @@ def take_every_job_slot(node):
 
 
 def jobs_of(lock, i):
-    """How many background jobs master ``i`` of ``lock`` has running or waiting."""
+    """How many background jobs master ``i`` of ``lock`` has running or queued on the pool."""
     return lock._masters.nodes[i].jobs.running
 
 

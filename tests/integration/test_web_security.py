@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ import redis
 from celery_redlock.core.holder import Holder
 from tests.celery_apps import storm
 from tests.celery_harness import REDIS_URL, delete_prefixed_keys
+from tests.processes import dead_pid
 from tests.web_harness import Client, DashboardProcess, listening_addresses
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,13 +50,6 @@ def env(prefix: str) -> dict[str, str]:
     return storm.environment(
         broker=REDIS_URL, backend=REDIS_URL, lock_url=REDIS_URL, prefix=prefix, queue=f"{prefix}.q"
     )
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 @pytest.fixture

@@ -13,8 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +29,7 @@ from celery_redlock.core.store import LockStore, parse_store
 from tests.celery_apps.limits import started
 from tests.celery_harness import CeleryWorker, wait_until
 from tests.integration.celery.conftest import WorkerFactory
+from tests.processes import dead_pid
 
 LONG_TTL = 60.0
 
@@ -83,12 +82,6 @@ def wait_for_passes(app: Celery, worker: CeleryWorker, more: int) -> None:
     """Wait until the worker's reaper has made ``more`` further passes."""
     target = passes(app, worker) + more
     wait_until(lambda: passes(app, worker) >= target, timeout=30, message=f"{more} passes")
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def plant(db9: redis.Redis, key: str, holder: Holder, left_ms: int) -> bytes:
