@@ -19,11 +19,15 @@ collection still reports anything left.
 from __future__ import annotations
 
 import gc
+import time
 import tracemalloc
 import warnings
 from collections.abc import Generator
 
 import pytest
+
+# The guard's own cost over the session: [collections, seconds], for the summary.
+_spent = [0, 0.0]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -50,7 +54,10 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     result = yield
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        started = time.perf_counter()
         gc.collect()
+        _spent[0] += 1
+        _spent[1] += time.perf_counter() - started
     leaks = []
     for warning in caught:
         if issubclass(warning.category, ResourceWarning):
@@ -71,3 +78,11 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
             pytrace=False,
         )
     return result
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say what the guard cost, so that a slower suite can be traced to it or cleared of it."""
+    if _spent[0]:
+        terminalreporter.write_line(
+            f"leak guard: {_spent[0]} collections after tests, {_spent[1]:.1f} s in all"
+        )
