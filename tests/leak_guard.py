@@ -11,8 +11,11 @@ test that leaked the object, with where it was allocated when tracemalloc is on
 A full collection walks every tracked object: about 80 ms each on the suite's
 imports alone. The objects alive once collection is over (modules, test
 functions, parametrize ids) are therefore frozen out of the collector for the
-session, so each test's pass only walks what was allocated since: a few
-milliseconds. They are thawed at the session's end, where pytest's own final
+session, so each test's pass only walks what was allocated since. That is a
+few milliseconds in a module's own run, but what stays alive from test to test
+adds up: over the full suite the passes took 325 s of a 30-minute run (2,459
+tests, 132 ms each on average; the summary line gives the figure of each run).
+The frozen objects are thawed at the session's end, where pytest's own final
 collection still reports anything left.
 """
 
