@@ -25,6 +25,23 @@ def take_every_job_slot(node):
     return [node.start(Request(("SET", f"other{i}", "x"))) for i in range(MAX_JOBS)]
 
 
+def refused_by_two_with_the_third_paused(redis_servers, node_timeout):
+    """A Redlock over 3 masters, the third through its client (RESP3) and paused.
+
+    The first two hold the key for someone else, so an acquire is refused
+    there at once; the third's command counts start from zero. The caller
+    resumes the third master.
+    """
+    first, second, third = redis_servers(3)
+    masters = [first.client(), second.client(), third.client(protocol=3)]
+    lock = Redlock(masters, "job", timeout=30, node_timeout=node_timeout, fencing=False)
+    for refusing in (first, second):
+        refusing.client().set("job", "someone else", px=60_000)
+    third.reset_stats()
+    third.pause()
+    return third, lock
+
+
 def jobs_of(lock, i):
     """How many background jobs master ``i`` of ``lock`` has running or queued on the pool."""
     return lock._masters.nodes[i].jobs.running
@@ -39,13 +56,7 @@ def test_the_undo_of_an_acquire_never_sent_through_a_client_is_not_sent(redis_se
     before the acquire is written. Its undo used to be tried again for a few
     node timeouts, and sent once the master resumed.
     """
-    first, second, third = redis_servers(3)
-    masters = [first.client(), second.client(), third.client(protocol=3)]
-    lock = Redlock(masters, "job", timeout=30, node_timeout=0.5, fencing=False)
-    for refusing in (first, second):
-        refusing.client().set("job", "someone else", px=60_000)
-    third.reset_stats()
-    third.pause()
+    third, lock = refused_by_two_with_the_third_paused(redis_servers, node_timeout=0.5)
     try:
         # Refused by two masters at once: the third's acquire is still on its way.
         assert not lock.acquire(blocking=False)
@@ -63,13 +74,7 @@ def test_the_undo_of_an_acquire_never_sent_through_a_client_is_not_sent(redis_se
 @pytest.mark.timeout(60)
 def test_the_undo_of_an_acquire_refused_a_job_slot_through_a_client_is_not_sent(redis_servers):
     """An acquire refused a job slot was never sent: its undo neither runs nor waits for a slot."""
-    first, second, third = redis_servers(3)
-    masters = [first.client(), second.client(), third.client(protocol=3)]
-    lock = Redlock(masters, "job", timeout=30, node_timeout=1.0, fencing=False)
-    for refusing in (first, second):
-        refusing.client().set("job", "someone else", px=60_000)
-    third.reset_stats()
-    third.pause()
+    third, lock = refused_by_two_with_the_third_paused(redis_servers, node_timeout=1.0)
     try:
         take_every_job_slot(lock._masters.nodes[2])
         assert not lock.acquire(blocking=False)
