@@ -11,7 +11,6 @@ Rate keys in use are listed and shown with ``used/limit`` (see :mod:`.rates`).
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 import click
 from celery.bin.base import CeleryCommand
 
+from celery_redlock.calls.options import closest_option
 from celery_redlock.celery.control import STATS_COMMAND
 from celery_redlock.celery.stats import COUNTERS
 from celery_redlock.core.inventory import (
@@ -62,8 +62,8 @@ def _task_hint(app: Any, task: str | None) -> str:
     if task is None or task in app.tasks:
         return ""
     names = [name for name in app.tasks if not name.startswith("celery.")]
-    closest = difflib.get_close_matches(task, names, n=1)
-    meant = f"; did you mean {closest[0]}?" if closest else ""
+    closest = closest_option(task, names)
+    meant = f"; did you mean {closest}?" if closest else ""
     return f" ({task} is not a task of this app{meant})"
 
 
