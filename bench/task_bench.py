@@ -267,16 +267,21 @@ def wait_for_results(
     needed: int,
     counts: Callable[[str], bool],
     timeout: float,
+    cpu: Callable[[], float] = lambda: 0.0,
 ) -> Poll:
     """Poll result keys until ``needed`` of them hold a state that ``counts``.
 
     Keys are polled oldest first, ``POLL_CHUNK`` per ``MGET``; a chunk that is
     wholly done is followed by the next at once, otherwise the poller sleeps
-    ``POLL_INTERVAL``.
+    ``POLL_INTERVAL``. ``cpu`` (the worker's CPU seconds) is read after every
+    poll that finds a result, so that the poll finding the first and the one
+    finding the last also give the CPU spent between them.
     """
     pending = list(keys)
     done = 0
     first: float | None = None
+    first_done = 0
+    first_cpu = last_cpu = 0.0
     states: Counter[str] = Counter()
     deadline = time.monotonic() + timeout
     while True:
@@ -292,11 +297,19 @@ def wait_for_results(
             else:
                 still.append(key)
         pending[: len(chunk)] = still
+        if done and len(still) < len(chunk):
+            last_cpu = cpu()
         if done and first is None:
-            first = now
+            first, first_done, first_cpu = now, done, last_cpu
         if done >= needed:
             assert first is not None
-            return Poll(first=first, last=now, states=states)
+            return Poll(
+                first=first,
+                last=now,
+                states=states,
+                steady_cpu=last_cpu - first_cpu,
+                steady_results=done - first_done,
+            )
         if time.monotonic() > deadline:
             raise BenchError(f"only {done} of {needed} results after {timeout:.0f} s: {states}")
         if still:
@@ -305,11 +318,20 @@ def wait_for_results(
 
 @dataclass
 class Poll:
-    """What :func:`wait_for_results` saw: ``perf_counter`` times and the states counted."""
+    """What :func:`wait_for_results` saw: ``perf_counter`` times and the states counted.
+
+    ``steady_cpu`` is the worker's CPU seconds from the poll that found the
+    first result to the one that found the last, over which ``steady_results``
+    results came in: what each result costs, without what a run costs once
+    (the ``add_consumer`` broadcast, the consumer's start, the wait before
+    the first result).
+    """
 
     first: float
     last: float
     states: Counter[str]
+    steady_cpu: float = 0.0
+    steady_results: int = 0
 
 
 @dataclass
@@ -333,6 +355,13 @@ class Run:
     broker_cpu_seconds: float = 0.0
     lock_cpu_seconds: float = 0.0
     publish_cpu_seconds: float = 0.0
+    steady_worker_cpu_seconds: float = 0.0
+    steady_tasks: int = 0
+
+    @property
+    def steady_worker_cpu_us(self) -> float:
+        """Worker CPU µs per task between the first and the last result (see :class:`Poll`)."""
+        return self.steady_worker_cpu_seconds / max(1, self.steady_tasks) * 1e6
 
     @property
     def rate(self) -> float:
@@ -416,7 +445,12 @@ class Bench:
         self._consume(queue)
         try:
             poll = wait_for_results(
-                self.broker, keys, needed=tasks, counts=lambda _: True, timeout=120
+                self.broker,
+                keys,
+                needed=tasks,
+                counts=lambda _: True,
+                timeout=120,
+                cpu=lambda: process_cpu_seconds(self.worker_pid),
             )
             worker_cpu = process_cpu_seconds(self.worker_pid) - worker_cpu
             broker_cpu = server_cpu_seconds(self.broker) - broker_cpu
@@ -435,6 +469,8 @@ class Bench:
             broker_cpu_seconds=broker_cpu,
             lock_cpu_seconds=server_cpu_seconds(self.lock) - lock_cpu,
             publish_cpu_seconds=publish_cpu,
+            steady_worker_cpu_seconds=poll.steady_cpu,
+            steady_tasks=poll.steady_results,
         )
 
     def count_under_monitor(self, contender: str, task_name: str, tasks: int) -> CommandCount:
@@ -502,6 +538,7 @@ class Bench:
                 needed=duplicates,
                 counts=lambda status: status == "SKIPPED",
                 timeout=120,
+                cpu=lambda: process_cpu_seconds(self.worker_pid),
             )
             worker_cpu = process_cpu_seconds(self.worker_pid) - worker_cpu
             broker_commands = commandstats(self.broker)
@@ -523,6 +560,8 @@ class Bench:
             lock_commands=dict(settled_commandstats(self.lock)),
             broker_commands=dict(broker_commands),
             worker_cpu_seconds=worker_cpu,
+            steady_worker_cpu_seconds=skips.steady_cpu,
+            steady_duplicates=skips.steady_results,
         )
 
 
@@ -553,6 +592,8 @@ class Storm:
     lock_commands: dict[str, int]
     broker_commands: dict[str, int]
     worker_cpu_seconds: float = 0.0
+    steady_worker_cpu_seconds: float = 0.0
+    steady_duplicates: int = 0
 
     @property
     def rate(self) -> float:
@@ -768,6 +809,9 @@ def _storm_summary(storms: Sequence[Storm]) -> dict[str, Any]:
         "broker_mix": _mix(mid["broker"], duplicates),
         "states": mid["states"],
         "worker_cpu_us": _median([st.worker_cpu_seconds / st.duplicates * 1e6 for st in storms]),
+        "steady_worker_cpu_us": _median(
+            [st.steady_worker_cpu_seconds / max(1, st.steady_duplicates) * 1e6 for st in storms]
+        ),
     }
 
 
@@ -801,6 +845,10 @@ def summarize(report: Report) -> dict[str, Any]:
             "commandstats_mix": _mix(runs[len(runs) // 2].lock_commands, runs[0].tasks),
             "states": dict(sum((Counter(run.states) for run in runs), Counter())),
             "worker_cpu_us": _median([run.worker_cpu_seconds / run.tasks * 1e6 for run in runs]),
+            "steady_worker_cpu_us": _median([run.steady_worker_cpu_us for run in runs]),
+            "steady_worker_cpu_over_plain": _median(
+                [runs[i].steady_worker_cpu_us - base[i].steady_worker_cpu_us for i in range(rounds)]
+            ),
             "broker_cpu_us": _median([run.broker_cpu_seconds / run.tasks * 1e6 for run in runs]),
             "lock_cpu_us": _median([run.lock_cpu_seconds / run.tasks * 1e6 for run in runs]),
             "publish_cpu_us": _median([run.publish_cpu_seconds / run.tasks * 1e6 for run in runs]),
@@ -892,13 +940,16 @@ def _storm_lines(storm: dict[str, Any]) -> list[str]:
         "the broker Redis) while the other child process skips the rest; each skip records "
         "`SKIPPED` with `update_state` in the result backend. dup/s = (duplicates - 1) / time "
         "from the poll that finds the first `SKIPPED` state to the poll that finds the last "
-        "(one child process does the skipping while the other holds the lock).",
+        "(one child process does the skipping while the other holds the lock). Steady worker "
+        "CPU counts from that first poll to the last, per skip in between.",
         "",
-        "| duplicates | dup/s (median) | worker CPU µs/dup | lock-store client cmds/dup "
+        "| duplicates | dup/s (median) | worker CPU µs/dup | worker CPU µs/dup, steady "
+        "| lock-store client cmds/dup "
         "| inside Lua/dup "
         "| backend writes/dup | backend reads/dup | all broker-Redis cmds/dup |",
-        "|---:|---:|---:|---:|---:|---|---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---|---:|---|",
         f"| {storm['duplicates']} | {storm['rate']:,.0f} | {storm['worker_cpu_us']:,.0f} "
+        f"| {storm.get('steady_worker_cpu_us', 0):,.0f} "
         f"| {storm['client_per_dup']:g} "
         f"(evalsha; +2 for the holder) | {storm['lua_per_dup']:g} ({storm['lua_mix']}) "
         f"| {storm['backend_writes_per_dup']:g} ({storm['backend_write_mix']}) "
@@ -957,17 +1008,22 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         "- CPU columns (medians per task): publisher = this process while publishing "
         "(`time.process_time`); worker = main process + pool processes "
         "(`/proc/<pid>/stat`, consuming phase); broker = its redis-server (`INFO cpu`, consuming "
-        "phase); lock store = its redis-server over publish + consume; total = their sum.",
+        "phase); lock store = its redis-server over publish + consume; total = their sum. "
+        "Steady worker CPU counts only from the poll that finds the first result to the one "
+        "that finds the last, per result in between: what a run costs the worker once "
+        "(the `add_consumer` broadcast, the wait before the first result) is left out, as it "
+        "is from tasks/s; over plain it is the median of the per-round differences.",
         "",
         "### Throughput (uncontended, distinct arguments)",
         "",
         "| contender | tasks/s (median) | x plain | x plain (paired) "
         "| end-to-end tasks/s | x plain (paired) | publish/s (median) "
-        "| publisher CPU µs/task | worker CPU µs/task | broker CPU µs/task "
+        "| publisher CPU µs/task | worker CPU µs/task | worker CPU µs/task, steady "
+        "(over plain, paired) | broker CPU µs/task "
         "| lock-store CPU µs/task | total CPU µs/task "
         "| lock-store client cmds/task | client-sent | inside Lua/task | inside Lua "
         "| commandstats total/task (timed) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---:|",
     ]
     for label, _ in CONTENDERS:
         row = rows[label]
@@ -977,6 +1033,7 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
             f"| {row['end_to_end']:,.0f} | {row['end_to_end_paired']:.3f} "
             f"| {row['publish_rate']:,.0f} | {row['publish_cpu_us']:,.0f} "
             f"| {row['worker_cpu_us']:,.0f} "
+            f"| {row['steady_worker_cpu_us']:,.0f} ({row['steady_worker_cpu_over_plain']:+,.0f}) "
             f"| {row['broker_cpu_us']:,.0f} | {row['lock_cpu_us']:,.0f} "
             f"| {row['total_cpu_us']:,.0f} "
             f"| {row['client_per_task']:g}{flag} "
@@ -1036,6 +1093,10 @@ def markdown(report: Report, summary: dict[str, Any]) -> str:
         f"{floor['scripts_cpu']:+,.0f} µs/task over plain, lock-store CPU "
         f"{floor['scripts_lock_cpu']:+,.0f} µs/task over the floor's; SingletonTask consuming "
         f"{floor['redlock_over_scripts']:.3f}x the script floor",
+        "- steady worker CPU over plain, paired per round (target <= 120 µs/task): "
+        f"SingletonTask {red['steady_worker_cpu_over_plain']:+,.0f}, floor "
+        f"{rows[FLOOR]['steady_worker_cpu_over_plain']:+,.0f}, script floor "
+        f"{rows[SCRIPT_FLOOR]['steady_worker_cpu_over_plain']:+,.0f} µs/task",
         f"- 2 Redis client commands per uncontended task: "
         f"**{'met' if targets['commands'] else 'NOT met'}** "
         f"({red['client_per_task']:g} under MONITOR: {red['client_mix']}; "
