@@ -26,9 +26,12 @@ follows:
   any: ``...`` stands for any text, ``(exit status N)`` for a non-zero exit
   status. Commands run with ``bash`` in the page's working directory, with the
   test interpreter's ``bin`` first on ``PATH``. A ``celery ... worker``
-  command keeps running in the background, like a worker in another terminal,
-  until the page's next worker command or the page's end; the next block runs
-  once it logs that it is ready (so worker commands in the pages say ``-l INFO``).
+  command, or an ``rq worker`` without ``--burst``, keeps running in the
+  background, like a worker in another terminal, until the page's next worker
+  command or the page's end; the next block runs once it logs that it is ready
+  (so Celery worker commands in the pages say ``-l INFO``; an ``rq worker``
+  logs at INFO by default, and names its Redis with ``--url``, which the
+  runner can point at the test's server).
 - **Not run.** An example that cannot run has, on the line right before its
   fence, ``<!-- test: skip reason="..." -->``, and the page says the same
   reason in its text, where readers see it. A marker without a reason, or
@@ -90,6 +93,16 @@ PAGES = (
     "docs/conflicts.md",
     "docs/configuration.md",
     "docs/lock.md",
+    "docs/index.md",
+    "docs/decorator.md",
+    "docs/asyncio.md",
+    "docs/rq.md",
+    "docs/limits.md",
+    "docs/modes.md",
+    "docs/queues.md",
+    "docs/redlock.md",
+    "docs/topologies.md",
+    "docs/migrating.md",
 )
 
 PYTHON = frozenset({"python", "py", "python3"})
@@ -104,7 +117,14 @@ _FIELD = re.compile(r'\s*(?P<key>[a-z_]+)="(?P<value>[^"]*)"')
 _FILE_BLOCK = re.compile(r"^#\s*(?P<name>[A-Za-z_]\w*(?:/[A-Za-z_]\w*)*\.py)\s*$")
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 _EXIT_STATUS = re.compile(r"^\(exit status (?P<status>\d+)\)$")
-_WORKER_READY = re.compile(r"\S+@\S+ ready\.")
+_WORKER_READY = {
+    "celery": re.compile(r"\S+@\S+ ready\."),
+    "rq": re.compile(r"\*\*\* Listening on "),
+}
+# Seconds a worker gets to exit after SIGTERM before SIGKILL. An rq worker on
+# redis-py 8.2 sits out a 60 s pubsub poll before it exits, its jobs done (see
+# docs/rq.md, "RQ versions"): nothing is left to wait for once it says so.
+_WORKER_STOP = {"celery": 20.0, "rq": 5.0}
 _MARKER_FIELDS: dict[str, set[str]] = {"skip": {"reason"}, "output": set()}
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _LOG_TAIL_LINES = 40
@@ -208,10 +228,25 @@ class Command:
     exit_status: int = 0
 
     @property
-    def is_worker(self) -> bool:
-        """``True`` for a ``celery ... worker`` command, which runs until stopped."""
+    def worker(self) -> str | None:
+        """``"celery"`` or ``"rq"`` for a worker command, which runs until stopped, else ``None``.
+
+        A ``celery ... worker`` command, or an ``rq worker`` without ``--burst``
+        (a burst worker exits once the queues are empty: it runs in the foreground).
+        """
         words = shlex.split(self.command, comments=True)
-        return bool(words) and Path(words[0]).name == "celery" and "worker" in words[1:]
+        program = Path(words[0]).name if words else ""
+        if program == "celery" and "worker" in words[1:]:
+            return "celery"
+        burst = {"--burst", "-b"} & set(words)
+        if program == "rq" and words[1:2] == ["worker"] and not burst:
+            return "rq"
+        return None
+
+    @property
+    def is_worker(self) -> bool:
+        """``True`` for a worker command (see :attr:`worker`)."""
+        return self.worker is not None
 
 
 def visible_text(markdown: str) -> str:
@@ -424,29 +459,61 @@ def output_matches(expected: Sequence[str], actual: str) -> bool:
 
 
 class Address:
-    """Points the examples' local Redis at a private server.
+    """Points the examples' local Redis servers at private ones.
 
     Args:
-        port: The private server's port on the loopback interface.
+        port: The private server standing for the usual local Redis (port 6379).
+        more: Private servers standing for further local ones, by the port a
+            page names (6380 and 6381: the second and third master of a
+            page that runs several).
     """
 
     #: The port examples name: the usual local Redis.
     SHOWN_PORT = 6379
+    #: The ports of further local servers a page may name, for several masters.
+    MORE_PORTS = (6380, 6381)
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, more: Mapping[int, int] | None = None) -> None:
         self.port = port
+        self.more = dict(more or {})
+        unknown = set(self.more) - set(self.MORE_PORTS)
+        if unknown:
+            raise ValueError(f"no example names the local port(s) {sorted(unknown)}")
+
+    @property
+    def ports(self) -> dict[int, int]:
+        """The private port standing for each local port an example may name."""
+        return {self.SHOWN_PORT: self.port, **self.more}
+
+    @classmethod
+    def wanted(cls, text: str) -> list[int]:
+        """The further local ports (:data:`MORE_PORTS`) that ``text`` names."""
+        return [
+            shown
+            for shown in cls.MORE_PORTS
+            if re.search(rf"\b(localhost|127\.0\.0\.1):{shown}\b", text)
+        ]
 
     def rewrite(self, text: str) -> str:
-        """``text`` with ``localhost:6379``, ``127.0.0.1:6379`` and ``Redis()`` moved."""
-        text = re.sub(
-            rf"\b(localhost|127\.0\.0\.1):{self.SHOWN_PORT}\b", rf"\g<1>:{self.port}", text
-        )
+        """``text`` with ``localhost:6379``, ``127.0.0.1:6379`` and ``Redis()`` moved.
+
+        ``localhost:6380`` and ``localhost:6381`` move too, where :attr:`more` has them.
+        """
+        text = self._swap(text, self.ports)
         return re.sub(r"\bRedis\(\)", f"Redis(port={self.port})", text)
 
     def restore(self, output: str) -> str:
-        """``output`` as the page would show it: the private port back to 6379."""
+        """``output`` as the page would show it: each private port back to the one shown."""
+        return self._swap(output, {real: shown for shown, real in self.ports.items()})
+
+    @staticmethod
+    def _swap(text: str, ports: Mapping[int, int]) -> str:
+        # One pass, so that a port written in never matches a later replacement.
+        names = "|".join(str(port) for port in ports)
         return re.sub(
-            rf"\b(localhost|127\.0\.0\.1):{self.port}\b", rf"\g<1>:{self.SHOWN_PORT}", output
+            rf"\b(localhost|127\.0\.0\.1):({names})\b",
+            lambda found: f"{found[1]}:{ports[int(found[2])]}",
+            text,
         )
 
 
@@ -648,6 +715,7 @@ class PageSession:
     _answers: queue.Queue[str | None] = field(default_factory=queue.Queue, init=False)
     _reader: threading.Thread | None = field(default=None, init=False)
     _worker: Background | None = field(default=None, init=False)
+    _worker_stop: float = field(default=20.0, init=False)
     _workers_started: int = field(default=0, init=False)
 
     @property
@@ -769,8 +837,8 @@ class PageSession:
     def _run_command(self, block: Block, command: Command) -> None:
         where = f"{block.page}:{command.line}"
         line = self.address.rewrite(command.command)
-        if command.is_worker:
-            self._start_worker(where, line)
+        if command.worker is not None:
+            self._start_worker(where, line, command.worker)
             return
         try:
             done = subprocess.run(
@@ -799,9 +867,9 @@ class PageSession:
                 f"{where}: $ {command.command} printed\n{output}\n--- the page shows ---\n{shown}"
             )
 
-    def _start_worker(self, where: str, line: str) -> None:
+    def _start_worker(self, where: str, line: str, kind: str) -> None:
         if self._worker is not None:  # the reader stops the previous one (Ctrl+C) first
-            self._worker.stop()
+            self._worker.stop(self._worker_stop)
         self._workers_started += 1
         worker = Background(
             ["bash", "-c", f"exec {line}"],
@@ -810,8 +878,9 @@ class PageSession:
             log_path=self.workdir / f"worker-{self._workers_started}.log",
         ).start()
         self._worker = worker
+        self._worker_stop = _WORKER_STOP[kind]
         try:
-            worker.wait_for(_WORKER_READY, self.timeout)
+            worker.wait_for(_WORKER_READY[kind], self.timeout)
         except ExampleFailed as exc:
             raise ExampleFailed(f"{where}: the worker did not start: {exc}") from None
 
@@ -821,7 +890,7 @@ class PageSession:
         """Stop what the session started: the interpreter, then the worker."""
         self._stop_driver()
         if self._worker is not None:
-            self._worker.stop()
+            self._worker.stop(self._worker_stop)
             self._worker = None
 
     def __enter__(self) -> PageSession:

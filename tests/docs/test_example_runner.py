@@ -188,16 +188,35 @@ def test_console_commands_parse_continuations_and_output():
 @pytest.mark.parametrize(
     ("command", "worker"),
     [
-        ("celery -A proj worker -l INFO", True),
-        ("celery -A proj worker -l INFO -c 2  # two processes", True),
-        ("celery -A proj redlock check", False),
-        ("python -c 'print(\"worker\")'", False),
+        ("celery -A proj worker -l INFO", "celery"),
+        ("celery -A proj worker -l INFO -c 2  # two processes", "celery"),
+        ("celery -A proj redlock check", None),
+        ("python -c 'print(\"worker\")'", None),
+        ("rq worker --url redis://localhost:6379/0 --with-scheduler", "rq"),
+        ("rq worker --url redis://localhost:6379/0 --burst", None),
+        ("rq info --url redis://localhost:6379/0", None),
     ],
 )
 def test_worker_commands_are_recognised(command, worker):
-    """Only ``celery ... worker`` runs in the background."""
+    """Only ``celery ... worker`` and a non-burst ``rq worker`` run in the background."""
     (block,) = examples("t.md", page(console(f"$ {command}")))
-    assert console_commands(block)[0].is_worker is worker
+    assert console_commands(block)[0].worker == worker
+    assert console_commands(block)[0].is_worker is (worker is not None)
+
+
+def test_further_local_ports_are_pointed_at_their_own_servers():
+    """``localhost:6380`` and ``:6381`` move to the servers given for them, and back."""
+    address = Address(7001, {6380: 7002, 6381: 7003})
+    text = '["redis://localhost:6379/0", "redis://localhost:6380/0", "redis://127.0.0.1:6381"]'
+    moved = '["redis://localhost:7001/0", "redis://localhost:7002/0", "redis://127.0.0.1:7003"]'
+    assert address.rewrite(text) == moved
+    assert address.restore(moved) == text
+    assert Address.wanted(text) == [6380, 6381]
+    assert Address.wanted("redis://localhost:6379/0") == []
+    # A private port that is also a shown one is moved once, not twice.
+    assert Address(6380, {6380: 7002}).rewrite("localhost:6379 localhost:6380") == (
+        "localhost:6380 localhost:7002"
+    )
 
 
 @pytest.mark.parametrize(
