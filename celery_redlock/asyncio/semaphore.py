@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_redlock.core.exceptions import LockError
 from celery_redlock.core.hold import PERMIT
 from celery_redlock.core.holder import Refusal
 from celery_redlock.core.lease import DEFAULT_DRIFT_FACTOR, Clock, Lease, LostCallback
@@ -120,6 +121,10 @@ class Semaphore(ReleasableLock, SemaphoreSettings):
         Arguments as for :meth:`celery_redlock.Semaphore.acquire`.
 
         Raises:
+            LockError: If this task (or, with ``thread_local=False``, any task)
+                holds a permit of this object already; also when two acquires
+                of one task run at once, for the one granted second, which
+                gives its permit back first.
             redis.exceptions.RedisError: If Redis cannot be reached.
             asyncio.CancelledError: If cancelled; a permit the attempt in
                 flight took is given back before this is raised.
@@ -135,6 +140,7 @@ class Semaphore(ReleasableLock, SemaphoreSettings):
         token: str | bytes | None,
     ) -> bool:
         state = state or self._state()
+        self._one_permit_each(state)
         pause, blocking, blocking_timeout, encoded, owner, wait_ms = self._acquire_plan(
             sleep, blocking, blocking_timeout, token
         )
@@ -205,6 +211,12 @@ class Semaphore(ReleasableLock, SemaphoreSettings):
             )
             return False
         lease = self._permit(reply, sent_at)
+        try:
+            # Another acquire of this hold (gather in one task) may have won meanwhile.
+            self._one_permit_each(state)
+        except LockError:
+            await settle(detach(self._undo(lease.token)))
+            raise
         state.refusal = None
         state.token = lease.token
         state.lease = lease

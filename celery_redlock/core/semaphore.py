@@ -151,8 +151,11 @@ class Semaphore(SemaphoreSettings, PerThreadLock):
                 arrival and entry lifetimes instead of the token and now.
 
         Raises:
+            LockError: If this thread (or, with ``thread_local=False``, any
+                thread) holds a permit of this object already.
             redis.exceptions.RedisError: If Redis cannot be reached.
         """
+        self._one_permit_each(self.local)
         pause, blocking, blocking_timeout, encoded, owner, wait_ms = self._acquire_plan(
             sleep, blocking, blocking_timeout, token
         )
@@ -222,10 +225,21 @@ class Semaphore(SemaphoreSettings, PerThreadLock):
             self.local.refusal = self._refusal(reply, place is not None)
             return False
         lease = self._permit(reply, sent_at)
+        self._keep_first_permit(lease)
         self.local.refusal = None
         self.local.token = lease.token
         self.local.lease = lease
         return True
+
+    def _keep_first_permit(self, lease: PermitLease) -> None:
+        """Give ``lease`` back if another thread's acquire filled the shared hold meanwhile."""
+        try:
+            self._one_permit_each(self.local)
+        except LockError:
+            RELEASE_PERMIT(
+                self.redis, self._release_keys, (lease.token, "0", self._ttl_ms, self.limit)
+            )
+            raise
 
     def _refusal(self, reply: list[Any], in_line: bool) -> Refusal:
         _, pttl_ms, value, held, waiting, rank, arrival, now_ms = reply

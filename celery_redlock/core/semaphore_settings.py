@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from .exceptions import LockNotAcquired
+from .exceptions import LockError, LockNotAcquired
 from .fences import is_cluster
 from .holder import Holder, Refusal
 from .lock_options import LockSettings, Number, positive_seconds
@@ -95,6 +95,23 @@ class SemaphoreSettings(LockSettings):
             owner=self,
             label=self.label,
         )
+
+    def _one_permit_each(self, hold: Any) -> None:
+        """Raise if ``hold`` (a thread's or task's, or the shared one) has a live permit.
+
+        A holder takes one permit at a time. A second would replace the first
+        in the hold, where no release could reach it and renewal would keep it,
+        one of ``limit`` slots gone for good.
+
+        Raises:
+            LockError: If the hold's permit is neither released nor lost.
+        """
+        lease = hold.lease
+        if hold.token is not None and lease is not None and not lease.lost:
+            raise LockError(
+                f"{self.name}: this holder already holds a permit (slot {lease.slot}); "
+                "release it before acquiring again"
+            )
 
     def _no_permit(self, refusal: Refusal) -> LockNotAcquired:
         """The error of a ``with`` block that got no permit, naming who held one."""

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_redlock import Lock, LockNotOwned, Semaphore
+from celery_redlock import Lock, LockError, LockNotOwned, Semaphore
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock_options import fence_key_for
 from celery_redlock.core.renewal import Watchdog
@@ -249,3 +249,21 @@ def test_a_release_wakes_a_waiter_without_polling(
     holder.release()
     threads[0].join(timeout=20)
     assert order == [0]
+
+
+@pytest.mark.parametrize("thread_local", [True, False])
+def test_a_holder_never_takes_a_second_permit(r: redis.Redis, thread_local: bool) -> None:
+    """An acquire on an object that holds a live permit (in this thread, or at all when the
+    hold is shared) raises LockError and takes nothing: a second permit would replace the
+    first in the hold, where no release reaches it and renewal keeps it for ever."""
+    semaphore = Semaphore(r, "sem", limit=3, timeout=10, blocking=False, thread_local=thread_local)
+    assert semaphore.acquire()
+    first = semaphore.token
+    with pytest.raises(LockError, match="already holds a permit"):
+        semaphore.acquire()
+    assert semaphore.token == first
+    assert semaphore.held() == 1
+    semaphore.release()
+    assert semaphore.held() == 0
+    assert semaphore.acquire()  # once released, the object takes a permit again
+    semaphore.release()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from celery_redlock import LockNotOwned
+from celery_redlock import LockError, LockNotOwned
 from celery_redlock.asyncio import Semaphore
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.semaphore_scripts import semaphore_keys
@@ -111,5 +111,27 @@ def test_a_cancelled_blocking_acquire_leaves_nothing_behind(arun: Any) -> None:
             await asyncio.sleep(0.01)
         assert not await waiter.acquire(blocking_timeout=0.2)
         assert await client.zcard(keys.waiters) == 0
+
+    arun(scenario)
+
+
+def test_one_task_never_holds_two_permits(arun: Any) -> None:
+    """Two acquires one task makes at once (``gather``) share its hold: one takes a permit,
+    the other gives back the permit it was granted and raises LockError; a later acquire
+    while the permit is held raises at once. One permit is held, and the release frees it."""
+
+    async def scenario(client: Any) -> None:
+        semaphore = Semaphore(client, "sem", limit=3, timeout=5, blocking=False)
+        outcomes = await asyncio.gather(
+            semaphore.acquire(), semaphore.acquire(), return_exceptions=True
+        )
+        assert outcomes.count(True) == 1, outcomes
+        (refused,) = [outcome for outcome in outcomes if outcome is not True]
+        assert isinstance(refused, LockError) and "already holds a permit" in str(refused)
+        assert await semaphore.held() == 1
+        with pytest.raises(LockError, match="already holds a permit"):
+            await semaphore.acquire()
+        await semaphore.release()
+        assert await semaphore.held() == 0
 
     arun(scenario)
