@@ -3,6 +3,11 @@
 Each master's request runs in a task of its own, behind the previous request
 for the same key through the same client (:mod:`.ordering`); the vote is
 counted with the thread version's rule (:class:`~celery_redlock.core.quorum.Votes`).
+A script's reply is awaited ``KEEP_FOR`` node timeouts at least, whatever the
+client's ``socket_timeout``: giving up closes the connection, and the request
+queued behind (the release of an acquire) would go on another one, which a
+master resuming from a pause may run first. A request whose connection could
+not be opened raises ``NotSent`` and is owed no release.
 Used by :class:`~celery_redlock.asyncio.redlock.Redlock`.
 """
 
@@ -13,8 +18,6 @@ import functools
 from collections.abc import Awaitable, Sequence
 from typing import Any, Callable
 
-import redis.exceptions
-
 from celery_redlock.core.exceptions import LockNotOwned, QuorumNotAchieved
 from celery_redlock.core.fanout import NOT_ASKED, PENDING
 from celery_redlock.core.lease import Lease
@@ -22,12 +25,13 @@ from celery_redlock.core.lua import Arg, Script
 from celery_redlock.core.nodes import node_address
 from celery_redlock.core.quorum import Votes, lost_vote
 from celery_redlock.core.scripts import RELEASE, RENEW
+from celery_redlock.core.through_client import KEEP_FOR, NotSent
 
-from .ordering import KeyQueue, queues_of
+from .ordering import Claim, KeyQueue, queues_of
 from .scripts import run_script
 from .shielding import detach
 
-__all__ = ["Masters", "Request", "Round", "Settle", "script_request"]
+__all__ = ["Masters", "Request", "Round", "Settle"]
 
 #: One master's request: given the master's client, the coroutine to run.
 Request = Callable[[Any], Awaitable[Any]]
@@ -48,11 +52,6 @@ async def _fail(error: BaseException) -> Any:
     raise error
 
 
-def script_request(script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
-    """The request that runs ``script`` with these KEYS and ARGV on a master."""
-    return lambda client: run_script(script, client, keys, args)
-
-
 class Round:
     """One request sent to some masters, each in a task of its own."""
 
@@ -71,7 +70,18 @@ class Masters:
         self.name = name
         self.timeout = timeout
         self.quorum = len(clients) // 2 + 1
+        # How long a script's reply is awaited once sent, whatever the client's
+        # socket_timeout: as long as the thread version keeps a connection
+        # owing a reply. Giving up closes the connection, and the key's next
+        # request (the release behind an acquire) would go on another one,
+        # which the master may run first when it resumes.
+        self.patience = KEEP_FOR * timeout
         self._queues: list[dict[str, KeyQueue]] = [{} for _ in clients]
+
+    def script(self, script: Script, keys: Sequence[Arg], args: Sequence[Arg]) -> Request:
+        """The request that runs ``script`` with these KEYS and ARGV on a master."""
+        patience = self.patience
+        return lambda client: run_script(script, client, keys, args, patience=patience)
 
     def send(
         self,
@@ -94,19 +104,21 @@ class Masters:
         tasks = {}
         for i in targets:
             queue = self._queue(i, loop)
+            releasing: Claim | None = None
             if releases is not None:
-                if releases not in queue.owed:
+                releasing = queue.owed.pop(releases, None)
+                if releasing is None:
                     tasks[i] = detach(_answer(0))
                     continue
-                queue.owed.discard(releases)
             else:
                 busy = queue.busy(self.timeout)
                 if busy is not None:
-                    tasks[i] = detach(_fail(redis.exceptions.ConnectionError(busy)))
+                    tasks[i] = detach(_fail(NotSent(busy)))
                     continue
+            claim = None
             if acquires is not None:
-                queue.owed.add(acquires)
-            task = detach(self._one(self.clients[i], request, queue.tail, queue, acquires))
+                claim = queue.owed[acquires] = Claim(acquires)
+            task = detach(self._one(self.clients[i], request, queue.tail, queue, claim, releasing))
             queue.add(task)
             task.add_done_callback(functools.partial(queue.finished, self._queues_of(i), self.name))
             tasks[i] = task
@@ -132,14 +144,23 @@ class Masters:
         request: Request,
         before: asyncio.Task[Any] | None,
         queue: KeyQueue,
-        acquires: bytes | None,
+        claim: Claim | None,
+        releasing: Claim | None,
     ) -> Any:
         if before is not None and not before.done():
             await asyncio.wait([before])
-        reply = await request(client)
-        if acquires is not None and isinstance(reply, list):
+        if releasing is not None and not releasing.stored:
+            return 0  # the release of an acquire that stored nothing here: not deleted
+        try:
+            reply = await request(client)
+        except NotSent:
+            # Never written: the master cannot have run it, no release owed.
+            if claim is not None:
+                queue.forget(claim)
+            raise
+        if claim is not None and isinstance(reply, list):
             # Refused ("held by"): nothing of ours is stored here, no release owed.
-            queue.owed.discard(acquires)
+            queue.forget(claim)
         return reply
 
     async def collect(self, round_: Round, settle: Settle | None = None) -> None:
@@ -216,15 +237,13 @@ class Masters:
                 return True
             return False
 
-        request = script_request(RENEW, (lease.name,), ("1" if replace else "0", lease.token, ms))
+        request = self.script(RENEW, (lease.name,), ("1" if replace else "0", lease.token, ms))
         round_, votes = await self.vote(request, agrees)
         if votes.won:
             return min(pttls)
         if votes.refused_by_majority:
             # Masters that still hold our token would keep others out until it expires.
-            self.send(
-                script_request(RELEASE, (lease.name,), (lease.token, "0")), releases=lease.token
-            )
+            self.send(self.script(RELEASE, (lease.name,), (lease.token, "0")), releases=lease.token)
             return 0
         raise self.failure(
             f"Cannot renew lock {lease.name}",

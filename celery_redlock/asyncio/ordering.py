@@ -13,12 +13,26 @@ import asyncio
 import weakref
 from typing import Any
 
-__all__ = ["MAX_PENDING", "KeyQueue", "queues_of"]
+__all__ = ["MAX_PENDING", "Claim", "KeyQueue", "queues_of"]
 
 #: Requests for one lock key that one master may have pending (sent or waiting
 #: their turn) before further ones fail at once, as that master's failure; a
 #: release the key's queue owes is queued all the same (see :class:`KeyQueue`).
 MAX_PENDING = 16
+
+
+class Claim:
+    """What one acquire queued on a master may have stored, as its release sees it.
+
+    ``stored`` turns ``False`` once the acquire is known to have stored
+    nothing there: it was refused, or never written (``NotSent``).
+    """
+
+    __slots__ = ("stored", "value")
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+        self.stored = True
 
 
 class KeyQueue:
@@ -34,8 +48,11 @@ class KeyQueue:
     queued here records its value as owed a release, and the first release of
     that value is queued however long the queue, behind its acquire. A
     release of a value not owed is not sent, and answers 0 (not deleted) at
-    once: its acquire never went out here (it failed at once), was refused
-    here (the key held another value), or a release of it is queued already.
+    once: its acquire never went out here (it failed at once, or its
+    connection could not be opened: ``NotSent``), was refused here (the key
+    held another value), or a release of it is queued already. A release
+    queued behind an acquire that then turns out never sent or refused
+    answers 0 the same way, unsent.
     """
 
     __slots__ = ("head_since", "loop", "owed", "pending", "tail")
@@ -47,9 +64,11 @@ class KeyQueue:
         # Loop time when the request now at the head became the head.
         self.head_since = loop.time()
         # Values an acquire queued here may have stored, with no release queued
-        # since. A value never released (a hold abandoned to its TTL) stays
-        # until the client goes: a few bytes.
-        self.owed: set[bytes] = set()
+        # since, each with its acquire's claim (a release queued behind it is
+        # not written if that acquire turns out never sent or refused). A
+        # value never released (a hold abandoned to its TTL) stays until the
+        # client goes: a few bytes.
+        self.owed: dict[bytes, Claim] = {}
 
     def busy(self, timeout: float) -> str | None:
         """Why a new request (other than an owed release) fails at once, or ``None``."""
@@ -59,6 +78,12 @@ class KeyQueue:
         if self.pending and waited >= timeout:
             return f"no answer to a request for this key for {waited:.3f} s"
         return None
+
+    def forget(self, claim: Claim) -> None:
+        """Owe no release for ``claim``'s value: its acquire stored nothing here."""
+        claim.stored = False
+        if self.owed.get(claim.value) is claim:
+            del self.owed[claim.value]
 
     def add(self, task: asyncio.Task[Any]) -> None:
         """Queue ``task``, the request sent next for this key."""

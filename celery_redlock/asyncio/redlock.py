@@ -25,13 +25,17 @@ before it has answered (or failed). So the release of an acquisition, whether
 after a failed attempt or when the lock is released while a master has still
 not answered the acquire, reaches that master after the acquire, and a late
 grant is deleted as soon as it is made; and an acquire right after a release
-never meets the released key on a master the release did not wait for. Two
-cases escape this: the client's own ``socket_timeout`` ending the wait for the
-acquire first (the release is then sent on another connection, which the
-master may run before the acquire), and the event loop closing while the
-acquire is unanswered (no release is sent; await :func:`~.shielding.drain`
-before closing it). A grant made after either expires with the lock's TTL,
-counted from when the master ran it.
+never meets the released key on a master the release did not wait for. A
+request's reply is awaited for ``KEEP_FOR`` (5) node timeouts even when the
+client's ``socket_timeout`` is shorter, so that a slow master's connection is
+not given up while the next request waits behind it. Two cases escape this:
+a master silent for longer than that with a client ``socket_timeout`` (the
+release then goes on another connection, which the master may run before
+the acquire), and the event loop closing while the acquire is unanswered (no
+release is sent; await :func:`~.shielding.drain` before closing it). A grant
+made after either expires with the lock's TTL, counted from when the master
+ran it. An acquire never written (its connection could not be opened:
+``NotSent``) is owed no release, and gets none.
 
 That queue is bounded (:class:`~.ordering.KeyQueue`): while a master has left
 a request for the key unanswered for the node timeout, or has ``MAX_PENDING``
@@ -74,9 +78,10 @@ from celery_redlock.core.replies import (
     refusal_of_acquire,
 )
 from celery_redlock.core.scripts import ACQUIRE, RAISE_FENCE, RELEASE
+from celery_redlock.core.through_client import NotSent
 
 from .lock import Lock
-from .masters import Masters, Round, script_request
+from .masters import Masters, Round
 from .ordering import MAX_PENDING as MAX_PENDING  # documented here, in docs/asyncio.md
 from .renewal import Renewer
 from .task_state import TaskState
@@ -204,11 +209,11 @@ class Redlock(Lock):
 
         if self.fencing:
             keys: tuple[Arg, ...] = (self.name, self.fence_key)
-            request = script_request(
+            request = self._masters.script(
                 ACQUIRE, keys, (token, self._ttl_ms, self._fence_retention_ms, "0")
             )
         else:
-            request = script_request(_SET_NX, (self.name,), (token, self._ttl_ms))
+            request = self._masters.script(_SET_NX, (self.name,), (token, self._ttl_ms, "0"))
         grant, votes = await masters.vote(request, agrees, acquires=token)
         fence: int | None = None
         failure: QuorumNotAchieved | None = None
@@ -238,17 +243,23 @@ class Redlock(Lock):
         timeout), so a failed attempt leaves no key on a master that answered.
         Masters that failed may have run the acquire before failing, and those
         that have not answered may still run it: they get the release too,
-        behind the acquire, and neither is awaited.
+        behind the acquire, and neither is awaited. An acquire never written
+        (``NotSent``: its connection could not be opened) gets none: nothing
+        of it can be there. A release queued behind an acquire still unanswered
+        is not sent either if that acquire then fails so (see
+        :class:`~.ordering.KeyQueue`).
         """
         undo = [
             i
             for i, outcome in enumerate(grant.outcomes)
-            if i in granted or outcome is PENDING or isinstance(outcome, BaseException)
+            if i in granted
+            or outcome is PENDING
+            or (isinstance(outcome, BaseException) and not isinstance(outcome, NotSent))
         ]
         if not undo:
             return
         release = self._masters.send(
-            script_request(RELEASE, (self.name,), (token, "0")), only=undo, releases=token
+            self._masters.script(RELEASE, (self.name,), (token, "0")), only=undo, releases=token
         )
         awaited = Round(len(release.outcomes), {i: release.tasks[i] for i in granted})
         await self._masters.collect(awaited)
@@ -262,7 +273,7 @@ class Redlock(Lock):
         if votes.won:
             return fence, None
         others = [i for i in range(votes.size) if fences.get(i) != fence]
-        request = script_request(
+        request = self._masters.script(
             RAISE_FENCE, (self.name, self.fence_key), (token, fence, self._fence_retention_ms)
         )
         raise_ = self._masters.send(request, only=others)
@@ -278,7 +289,7 @@ class Redlock(Lock):
 
     async def _send_release(self, token: bytes) -> bool:
         round_, votes = await self._masters.vote(
-            script_request(RELEASE, (self.name,), (token, "0")),
+            self._masters.script(RELEASE, (self.name,), (token, "0")),
             lambda i, reply: reply == 1,
             releases=token,
         )
@@ -354,13 +365,25 @@ class Redlock(Lock):
         )
 
 
+def _set_nx_again(args: Sequence[Arg]) -> Sequence[Arg]:
+    # The first send may have taken the lock: let the resend find it ours.
+    return (args[0], args[1], "1")
+
+
 # SET NX for Redlock without fencing, as a script so that every master's vote
 # comes back through one path (and a refusal names the holder, as ACQUIRE does).
 #
 # KEYS[1]  lock key
 # ARGV[1]  token
 # ARGV[2]  ttl in milliseconds; "0" means the lock never expires
-# Returns  1 when the lock was taken, otherwise {PTTL, holder's value}.
+# ARGV[3]  "0" on the first send; "1" when this same acquisition is sent again
+#          after its reply was lost (see Script), so it may find ARGV[1] held
+# Returns  1 when the lock was taken (or, with ARGV[3] "1", already held with
+#          ARGV[1]), otherwise {PTTL, holder's value}.
+#
+# Without ARGV[3] a resend after a lost reply met its own first send's key and
+# answered "held by": the master then counted as refusing, and neither an
+# undo nor the release went to it, leaving the key there until its TTL.
 _SET_NX = Script(
     "set_nx",
     """
@@ -373,6 +396,15 @@ end
 if taken then
   return 1
 end
-return {redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] and ARGV[3] == '1' then
+  -- Our own first send ran and its reply was lost: ours, with a fresh TTL.
+  if tonumber(ARGV[2]) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  return 1
+end
+return {redis.call('PTTL', KEYS[1]), holder}
 """,
+    resend=_set_nx_again,
 )

@@ -17,18 +17,24 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_redlock.core.lua import Arg, Script
+from celery_redlock.core.through_client import NotSent
 
 __all__ = ["InFlight", "run_script"]
 
 
 async def _checkout(pool: Any) -> Any:
-    # redis-py >= 5.3 takes no arguments; older versions require the command name.
     try:
-        return await pool.get_connection()
-    except TypeError:
-        return await pool.get_connection("EVALSHA")
+        # redis-py >= 5.3 takes no arguments; older versions require the command name.
+        try:
+            return await pool.get_connection()
+        except TypeError:
+            return await pool.get_connection("EVALSHA")
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        # The pool connects (and shakes hands) before handing a connection out.
+        raise NotSent(str(exc)) from exc
 
 
 class InFlight(Exception):
@@ -54,6 +60,7 @@ async def run_script(
     args: Sequence[Arg],
     *,
     hand_over: bool = False,
+    patience: float | None = None,
 ) -> Any:
     """Run ``script`` on ``client`` (a ``redis.asyncio`` client) and return its reply.
 
@@ -66,9 +73,13 @@ async def run_script(
             :class:`InFlight` instead of dropping the connection and its reply.
             Callers that must know what the script did use it to settle in the
             background only when cancelled, and run inline otherwise.
+        patience: Wait this long at least for the reply, whatever the client's
+            ``socket_timeout`` (none stays none): see :mod:`.masters` for why.
 
     Raises:
         InFlight: See ``hand_over``.
+        NotSent: If no connection could be opened for it (refused, timed out,
+            its handshake failed): never written, the server cannot have run it.
         redis.exceptions.RedisError: Whatever the server or connection raises,
             except ``NOSCRIPT``, which is handled here, and a connection error
             that the script's ``resend`` recovers from.
@@ -84,7 +95,7 @@ async def run_script(
         if script.check_connection:
             await _reconnect_if_closed(connection)
         sent = True
-        return await _run_resending(script, connection, keys, args)
+        return await _run_resending(script, connection, keys, args, patience)
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
     except asyncio.CancelledError:
@@ -113,11 +124,24 @@ async def _through_client(
         return await client.execute_command("EVAL", script.source, len(keys), *keys, *args)
 
 
+def _read_timeout(connection: Any, patience: float | None) -> float | None:
+    """The reply's timeout for ``read_response``: ``None`` is the connection's own."""
+    own: float | None = getattr(connection, "socket_timeout", None)
+    if patience is None or own is None:
+        return None
+    return max(own, patience)
+
+
 async def _run_resending(
-    script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]
+    script: Script,
+    connection: Any,
+    keys: Sequence[Arg],
+    args: Sequence[Arg],
+    patience: float | None = None,
 ) -> Any:
+    read_timeout = _read_timeout(connection, patience)
     try:
-        return await _run(script, connection, keys, args)
+        return await _run(script, connection, keys, args, read_timeout)
     except RedisConnectionError:
         # A pooled connection the server closed fails on first use: try once
         # more on a fresh one, as the script says is right in case the first
@@ -127,7 +151,7 @@ async def _run_resending(
         if resent_args is None:
             raise
         await connection.disconnect()
-        return await _run(script, connection, keys, resent_args)
+        return await _run(script, connection, keys, resent_args, read_timeout)
 
 
 async def _finish(
@@ -157,7 +181,10 @@ async def _reconnect_if_closed(connection: Any) -> None:
             raise RedisConnectionError("connection not ready")
     except (RedisConnectionError, OSError):
         await connection.disconnect()
-        await connection.connect()
+        try:
+            await connection.connect()
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise NotSent(str(exc)) from exc
 
 
 def _socket_readable(connection: Any) -> bool:
@@ -175,12 +202,18 @@ def _socket_readable(connection: Any) -> bool:
     return bool(readable)
 
 
-async def _run(script: Script, connection: Any, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+async def _run(
+    script: Script,
+    connection: Any,
+    keys: Sequence[Arg],
+    args: Sequence[Arg],
+    read_timeout: float | None = None,
+) -> Any:
     # The caller disconnects on errors, and a cancelled read must leave its
     # reply on the connection for _finish.
     await connection.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
     try:
-        return await connection.read_response(disconnect_on_error=False)
+        return await connection.read_response(timeout=read_timeout, disconnect_on_error=False)
     except NoScriptError:
         await connection.send_command("EVAL", script.source, len(keys), *keys, *args)
-        return await connection.read_response(disconnect_on_error=False)
+        return await connection.read_response(timeout=read_timeout, disconnect_on_error=False)
