@@ -215,7 +215,10 @@ class Semaphore(ReleasableLock, SemaphoreSettings):
             # Another acquire of this hold (gather in one task) may have won meanwhile.
             self._one_permit_each(state)
         except LockError:
-            await settle(detach(self._undo(lease.token)))
+            if await settle(detach(self._undo(lease.token))):
+                # Cancelled meanwhile: that is what the caller's timeout or
+                # task group goes by, not the LockError.
+                raise asyncio.CancelledError() from None
             raise
         state.refusal = None
         state.token = lease.token

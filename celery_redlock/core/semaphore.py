@@ -15,10 +15,11 @@ Round trips: acquire 1, release 1, extend 1, reacquire 1.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .exceptions import LockError
@@ -224,22 +225,48 @@ class Semaphore(SemaphoreSettings, PerThreadLock):
         if reply[0] != 1:
             self.local.refusal = self._refusal(reply, place is not None)
             return False
-        lease = self._permit(reply, sent_at)
-        self._keep_first_permit(lease)
-        self.local.refusal = None
-        self.local.token = lease.token
-        self.local.lease = lease
+        self._keep_first_permit(self._permit(reply, sent_at))
         return True
 
+    def _fresh_state(self) -> None:
+        super()._fresh_state()
+        # Makes the check that the hold is empty and the store of a new permit
+        # one step: with thread_local=False, two threads granted at once would
+        # otherwise both pass the check, and the permit stored first would be
+        # overwritten, out of reach of any release.
+        self._hold_guard = threading.Lock()
+
     def _keep_first_permit(self, lease: PermitLease) -> None:
-        """Give ``lease`` back if another thread's acquire filled the shared hold meanwhile."""
+        """Store ``lease`` in the hold; or give it back if another thread's acquire filled it.
+
+        Raises:
+            LockError: If the hold has a live permit already (``lease`` is given back).
+        """
+        with self._hold_guard:
+            try:
+                self._one_permit_each(self.local)
+            except LockError as exc:
+                refused = exc
+            else:
+                self.local.refusal = None
+                self.local.token = lease.token
+                self.local.lease = lease
+                return
         try:
-            self._one_permit_each(self.local)
-        except LockError:
             RELEASE_PERMIT(
                 self.redis, self._release_keys, (lease.token, "0", self._ttl_ms, self.limit)
             )
-            raise
+        except RedisError as exc:
+            # The caller's mistake is what it must hear of; the permit is not
+            # renewed, so it frees itself.
+            logger.warning(
+                "%s, granted to a holder that has one, could not be given back (%r); "
+                "it expires within %ss",
+                lease.describe(),
+                exc,
+                self.timeout,
+            )
+        raise refused
 
     def _refusal(self, reply: list[Any], in_line: bool) -> Refusal:
         _, pttl_ms, value, held, waiting, rank, arrival, now_ms = reply

@@ -7,6 +7,7 @@ the server to say so, never for a fixed time.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -267,3 +268,74 @@ def test_a_holder_never_takes_a_second_permit(r: redis.Redis, thread_local: bool
     assert semaphore.held() == 0
     assert semaphore.acquire()  # once released, the object takes a permit again
     semaphore.release()
+
+
+def test_two_threads_racing_on_a_shared_hold_keep_one_permit(r: redis.Redis) -> None:
+    """Two threads acquiring one ``thread_local=False`` semaphore at once, both granted: the
+    one that finds the hold filled gives its permit back and raises LockError. Between its
+    check and its store each thread waits (up to 1 s) for the other to check too: without the
+    check and store made atomic, both stored, the first permit was overwritten in the hold,
+    and no release could reach it."""
+    semaphore = Semaphore(r, "sem", limit=3, timeout=10, blocking=False, thread_local=False)
+    checked = threading.Barrier(2, timeout=1)
+    calls = threading.local()
+    check = semaphore._one_permit_each
+
+    def check_then_wait(hold: Any) -> None:
+        check(hold)
+        calls.count = getattr(calls, "count", 0) + 1
+        if calls.count == 2:  # the check after the grant
+            # Broken when the other thread cannot check before this one stored.
+            with contextlib.suppress(threading.BrokenBarrierError):
+                checked.wait()
+
+    semaphore._one_permit_each = check_then_wait  # type: ignore[method-assign]
+    outcomes: list[Any] = []
+
+    def contender() -> None:
+        try:
+            outcomes.append(semaphore.acquire())
+        except LockError as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=contender) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert outcomes.count(True) == 1, outcomes
+    assert semaphore.held() == 1
+    semaphore.release()
+    assert semaphore.held() == 0
+
+
+def test_a_give_back_that_fails_still_raises_the_lock_error(
+    r: redis.Redis, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A permit granted to a holder that holds one already is given back; when that fails
+    (Redis gone meanwhile), the caller still gets the LockError it is owed, not the connection
+    error, and a warning says the permit expires with its TTL."""
+    semaphore = Semaphore(r, "sem", limit=3, timeout=10, blocking=False, thread_local=False)
+    assert semaphore.acquire()
+    first = semaphore.token
+    # The hold looks empty at the first check only, as if another thread had not stored yet.
+    check = semaphore._one_permit_each
+    calls = []
+
+    def first_check_passes(hold: Any) -> None:
+        calls.append(1)
+        if len(calls) > 1:
+            check(hold)
+
+    def release_fails(*args: Any, **kwargs: Any) -> None:
+        raise redis.ConnectionError("gone")
+
+    semaphore._one_permit_each = first_check_passes  # type: ignore[method-assign]
+    monkeypatch.setattr("celery_redlock.core.semaphore.RELEASE_PERMIT", release_fails)
+    with pytest.raises(LockError, match="already holds a permit"):
+        semaphore.acquire()
+    monkeypatch.undo()
+    assert semaphore.token == first
+    assert "could not be given back" in caplog.text
+    semaphore.release()
+    assert semaphore.held() == 1  # the second permit, left to its TTL

@@ -135,3 +135,50 @@ def test_one_task_never_holds_two_permits(arun: Any) -> None:
         assert await semaphore.held() == 0
 
     arun(scenario)
+
+
+def test_a_cancellation_during_the_give_back_is_not_turned_into_a_lock_error(arun: Any) -> None:
+    """A task cancelled while it gives back a second permit raises CancelledError, not the
+    LockError: ``asyncio.timeout`` and task groups go by the cancellation, and the permit is
+    given back all the same."""
+
+    async def scenario(client: Any) -> None:
+        semaphore = Semaphore(client, "sem", limit=3, timeout=5, blocking=False)
+        check = semaphore._one_permit_each
+        giving_back = asyncio.Event()
+        go_on = asyncio.Event()
+        send_release = semaphore._send_release
+
+        async def slow_release(member: bytes) -> bool:
+            giving_back.set()
+            await go_on.wait()
+            return await send_release(member)
+
+        async def twice() -> None:
+            assert await semaphore.acquire()
+            calls = []
+
+            def first_check_passes(hold: Any) -> None:
+                calls.append(1)
+                if len(calls) > 1:
+                    check(hold)
+
+            semaphore._one_permit_each = first_check_passes  # type: ignore[method-assign]
+            semaphore._send_release = slow_release  # type: ignore[method-assign]
+            try:
+                await semaphore.acquire()
+            finally:
+                semaphore._one_permit_each = check  # type: ignore[method-assign]
+                semaphore._send_release = send_release  # type: ignore[method-assign]
+                await semaphore.release()
+
+        task = asyncio.ensure_future(twice())
+        await giving_back.wait()
+        task.cancel()
+        await asyncio.sleep(0.01)
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await semaphore.held() == 0
+
+    arun(scenario)
