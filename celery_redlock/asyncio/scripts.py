@@ -117,7 +117,9 @@ async def run_script(
 async def _through_client(
     script: Script, client: Any, keys: Sequence[Arg], args: Sequence[Arg]
 ) -> Any:
-    # Single-connection and Cluster clients go through redis-py as they are.
+    # Single-connection and Cluster clients go through redis-py as they are:
+    # their reply is awaited only as long as their socket_timeout, and a
+    # failed connect is a plain ConnectionError, not NotSent (docs/asyncio.md).
     try:
         return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
     except NoScriptError:
