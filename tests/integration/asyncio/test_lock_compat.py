@@ -314,9 +314,11 @@ def test_blocking_timeout_is_measured_on_the_running_loops_clock(redis_server):
         try:
             holder = celery_redlock.asyncio.Lock(client, "loopclock", timeout=60)
             assert await holder.acquire(blocking=False)
-            waiter = celery_redlock.asyncio.Lock(client, "loopclock", timeout=60, sleep=5)
-            # 600 loop seconds: 0.6 s of real time on this loop, ten minutes on
-            # the wall clock (far past the test's own timeout).
+            # The loop's selector waits out each sleep in real seconds (0.05 s,
+            # 50 loop seconds): 600 loop seconds are 0.6 s of real time on this
+            # loop, ten minutes on the wall clock (far past the test's own
+            # timeout). A sleep of 5 would be one attempt and a 5 s wait.
+            waiter = celery_redlock.asyncio.Lock(client, "loopclock", timeout=60, sleep=0.05)
             got = await waiter.acquire(blocking=True, blocking_timeout=600)
             await holder.release()
             return got
