@@ -11,6 +11,8 @@ import time
 import pytest
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redlock import LockNotAcquired, current_lock, singleton
 from tests.hold_log import assert_serial
@@ -129,7 +131,9 @@ def test_current_lock_renewal_and_release_on_error(r):
 
 def test_on_redis_error_run_runs_unprotected_and_raise_raises(redis_server, caplog):
     """With the lock store down, "run" runs the function (WARNING) and "raise" raises."""
-    client = redis_server.client(socket_connect_timeout=0.2)
+    # No retries: redis-py 8 retries a refused connection ten times with backoff
+    # (about 4 s), which this test of the error would only wait out.
+    client = redis_server.client(socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     redis_server.stop()
     fail_open = singleton(lambda: "ran", client=client, on_redis_error="run", name="open")
     # At the logger itself: an in-process worker run earlier leaves the root at ERROR.

@@ -15,7 +15,9 @@ import socket
 import pytest
 import redis
 import redis.asyncio
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.retry import Retry
 
 from celery_redlock import Lock, current_lock
 from celery_redlock.asyncio import Lock as AsyncLock
@@ -130,7 +132,9 @@ def test_a_refused_call_never_runs_and_learns_who_holds_the_key(r):
 
 
 def test_a_store_failure_can_run_the_body_unprotected_then_reports_it(caplog):
-    client = redis.Redis(port=closed_port(), socket_connect_timeout=1)
+    # No retries: redis-py 8 retries a refused connection ten times with backoff
+    # (about 4 s), which this test of the error would only wait out.
+    client = redis.Redis(port=closed_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     guard = Recorder(client)
     ran = []
     assert run_guarded(guard, new_call(), lambda: ran.append(1) or BODY_RESULT) == BODY_RESULT
@@ -139,7 +143,9 @@ def test_a_store_failure_can_run_the_body_unprotected_then_reports_it(caplog):
 
 
 def test_a_store_failure_outcome_other_than_unprotected_is_the_result():
-    client = redis.Redis(port=closed_port(), socket_connect_timeout=1)
+    # No retries: redis-py 8 retries a refused connection ten times with backoff
+    # (about 4 s), which this test of the error would only wait out.
+    client = redis.Redis(port=closed_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     guard = Recorder(client, on_store_failure="gave up")
     assert run_guarded(guard, new_call(), lambda: pytest.fail("ran")) == "gave up"
     assert "ran_unprotected" not in guard.events

@@ -9,6 +9,8 @@ import time
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_redlock import Lock, LockNotOwned, fence_key_for
 from celery_redlock.core.fences import FENCE_COUNTER
@@ -120,7 +122,9 @@ def test_a_name_in_use_never_reseeds_its_fences(redis_server):
 
 def test_unreachable_server_raises_a_connection_error(redis_server):
     """With the server gone, acquire raises ConnectionError rather than returning False."""
-    client = redis_server.client(socket_connect_timeout=0.2)
+    # No retries: redis-py 8 retries a refused connection ten times with backoff
+    # (about 4 s), which this test of the error would only wait out.
+    client = redis_server.client(socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     redis_server.stop()
     with pytest.raises(redis.exceptions.ConnectionError):
         Lock(client, "gone", timeout=1).acquire(blocking=False)
