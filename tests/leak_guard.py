@@ -22,14 +22,14 @@ global, a cache) and is later dropped unclosed would escape. So the last test
 of each file also gets a pass with everything thawed (``gc.unfreeze()``),
 after pytest has torn down that file's fixtures: what it finds fails that
 test, naming the tests since the previous such pass, one of which dropped it.
-That pass walks everything, about 130 ms. On tests/unit plus
-tests/integration/celery (762 tests, 57 files) the guard's time went from
-12.1 s (16 ms a test) to 7.7 s (0.2 s after tests, 7.5 s at file ends); over
-the full suite the thawed passes come to about 126 of them at up to a few
-hundred milliseconds, instead of 2,459 passes at 132 ms. The summary line
-gives the figures of each run. The frozen objects are thawed again at the
-session's end, where pytest's own final collection still reports anything
-left.
+That pass walks everything, about 115 ms. On tests/unit plus
+tests/integration/celery the guard's time went from 12.1 s (762 tests,
+16 ms each) to 6.9 s (766 tests and 58 files: 0.2 s after tests, 6.7 s at
+file ends). The suite's directories run one at a time spent 15 s in all in
+the guard; in one session the thawed passes walk more, but they are about
+127, not 2,459. The summary line gives the figures of each run. The frozen
+objects are thawed again at the session's end, where pytest's own final
+collection still reports anything left.
 """
 
 from __future__ import annotations
