@@ -8,7 +8,9 @@ own pid (SIGTERM, the warm shutdown; SIGKILL only if that hangs) when their
 Tests wait for their jobs' outcomes, never for a burst worker to exit: with
 redis-py >= 8.2 a worker's teardown joins its pubsub thread, which may sit out
 the rest of its 60 s poll (RQ 2.x and 3.0 alike), so a burst worker can linger
-for up to a minute after its last job.
+for up to a minute after its last job. The workers run
+:class:`tests.rq_apps.worker.PromptStopWorker`, which stops that thread before
+unsubscribing, so that a stop does not wait it out.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class RQWorker:
         env: Mapping[str, str] | None = None,
     ) -> None:
         argv = [*rq_command(), "worker", "--url", url, "--name", name, "--path", str(ROOT)]
+        argv += ["--worker-class", "tests.rq_apps.worker.PromptStopWorker"]
         if burst:
             argv.append("--burst")
         if scheduler:
