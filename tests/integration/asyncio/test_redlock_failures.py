@@ -275,6 +275,9 @@ def test_the_loop_ending_with_a_release_in_flight_is_quiet(redis_servers, caplog
             await client.aclose()
 
     caplog.set_level(logging.DEBUG, logger="asyncio")
+    # Set on the logger itself: an in-process Celery worker of an earlier test may
+    # have left the root logger above WARNING, which would hide our warnings.
+    caplog.set_level(logging.DEBUG, logger="celery_redlock")
     try:
         asyncio.run(main())
     finally:
