@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from celery_redlock.calls.context import current_lock
 from celery_redlock.core.error_text import describe_error
-from celery_redlock.core.exceptions import DuplicateTask, LockError, NotSent
+from celery_redlock.core.exceptions import DuplicateTask, LockError
 from celery_redlock.core.holder import Holder
 from celery_redlock.core.lock import Lease
 from celery_redlock.core.newest import script_ms
@@ -238,10 +238,8 @@ def _store_down(
     label = f"task {guard.task.name}[{task_id}]"
     # A RESERVE whose reply never came may have run, or may still run after
     # the client gave up: take it back, or the key would name a task that was
-    # never published (or hide a running attempt's lock). One never written
-    # (the store refused the connection) took nothing.
-    if not isinstance(exc, NotSent):
-        _cancel(guard, rkey, value, ttl_ms, label)
+    # never published (or hide a running attempt's lock).
+    _cancel(guard, rkey, value, ttl_ms, label)
     if kind is Republish.NEW and guard.options.on_redis_error != "run":
         raise LockError(
             f"{label} was not published: lock store unreachable for {rkey}: {describe_error(exc)}",

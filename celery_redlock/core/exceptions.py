@@ -20,7 +20,6 @@ __all__ = [
     "LockKeyError",
     "LockNotAcquired",
     "LockNotOwned",
-    "NotSent",
     "QuorumNotAchieved",
     "RateLimited",
     "RedlockError",
@@ -267,13 +266,3 @@ class ReplicationError(RedlockError, redis_exceptions.RedisError):
     def __repr__(self) -> str:
         # redis-py 8's errors repr as "server:ClassName"; log lines need the details.
         return f"{type(self).__name__}({str(self)!r})"
-
-
-class NotSent(redis_exceptions.ConnectionError):
-    """A request that failed before any byte of it was written: the server never got it.
-
-    Its connection could not be opened, or (a Redlock master) it was refused
-    a job slot. It cannot have run, so nothing it would have done needs
-    undoing. It is a redis-py ``ConnectionError``, so code that handles those
-    handles it.
-    """

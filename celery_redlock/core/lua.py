@@ -17,10 +17,8 @@ from typing import Any, Optional, Union
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, NoScriptError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
-from .exceptions import NotSent
 from .reserved import checkout, reserved_for
 from .sockets import exchange, readable
 
@@ -52,34 +50,6 @@ def _resend_as_is(args: Sequence[Arg]) -> Sequence[Arg]:
     return args
 
 
-def _not_sent(exc: Exception) -> Exception:
-    """``exc`` from opening a connection, as :class:`NotSent` when it is a plain failure to connect.
-
-    Nothing of the script was written yet, so nothing it would do needs
-    undoing. Errors that say more (a refused password, a full pool) stay as
-    they are.
-    """
-    if type(exc) in (RedisConnectionError, RedisTimeoutError):
-        return NotSent(str(exc))
-    return exc
-
-
-def _checkout(pool: Any) -> Any:
-    """A connection of ``pool``, opened; :class:`NotSent` if it cannot be."""
-    try:
-        return checkout(pool)
-    except (RedisConnectionError, RedisTimeoutError) as exc:
-        raise _not_sent(exc) from exc
-
-
-def _connect(connection: Any) -> None:
-    """Open ``connection`` before anything is written on it; :class:`NotSent` if it cannot be."""
-    try:
-        connection.connect()
-    except (RedisConnectionError, RedisTimeoutError) as exc:
-        raise _not_sent(exc) from exc
-
-
 def _reconnect_if_closed(connection: Any) -> None:
     try:
         # Readable before anything was sent: the server closed the connection
@@ -88,7 +58,7 @@ def _reconnect_if_closed(connection: Any) -> None:
             raise RedisConnectionError("connection not ready")
     except (RedisConnectionError, OSError):
         connection.disconnect()
-        _connect(connection)
+        connection.connect()
 
 
 class Script:
@@ -154,8 +124,6 @@ class Script:
         :meth:`head`); a resend or an ``EVAL`` is packed from ``keys`` and ``args``.
 
         Raises:
-            NotSent: If the connection could not be opened (a pooled client):
-                nothing of the script was written, so it did not run.
             redis.exceptions.RedisError: Whatever the server or connection raises,
                 except ``NOSCRIPT``, which is handled here, and a connection
                 error that the script's ``resend`` recovers from.
@@ -178,11 +146,11 @@ class Script:
             try:
                 connection = reserved.connection
                 if connection is None:
-                    connection = reserved.connection = _checkout(pool)
+                    connection = reserved.connection = checkout(pool)
                 return self._exchange(connection, keys, args, then, packed)
             finally:
                 reserved.busy.release()
-        connection = _checkout(pool)
+        connection = checkout(pool)
         try:
             return self._exchange(connection, keys, args, then, packed)
         finally:
@@ -197,11 +165,7 @@ class Script:
         packed: bytes | None = None,
     ) -> Any:
         try:
-            if getattr(connection, "_sock", True) is None:
-                # Closed (after an error, or by drop_connections): open it here,
-                # where a failure means that nothing was written.
-                _connect(connection)
-            elif self.check_connection:
+            if self.check_connection:
                 _reconnect_if_closed(connection)
             try:
                 return self._run(connection, keys, args, then, packed)

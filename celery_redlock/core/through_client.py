@@ -39,10 +39,10 @@ import threading
 import time
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .exceptions import NotSent
 from .reserved import checkout
 from .wire import Request
 
@@ -58,6 +58,14 @@ class Unanswered(RedisTimeoutError):
 
     The master runs it after them whenever it runs them: sending it again
     would not make it run sooner.
+    """
+
+
+class NotSent(RedisConnectionError):
+    """A request that failed before any byte of it was written: the master never got it.
+
+    Its connection could not be opened, or it was refused a job slot. It
+    cannot have run, so nothing it did needs undoing.
     """
 
 

@@ -10,7 +10,6 @@ while plain commands still work.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 import uuid
@@ -39,7 +38,6 @@ from celery_redlock.celery.publish import cancel_key
 from celery_redlock.celery.window import reservation_key
 from celery_redlock.core.window_scripts import CANCEL_RESERVE, RESERVE
 from tests.fault_proxy import DelayProxy
-from tests.redis_servers import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -193,39 +191,6 @@ def test_lost_reserve_reply_leaves_no_phantom_reservation(
         assert not r.exists(job.lock_key_for(1))
         again = job.delay(1)
         assert ids == [again.id]
-
-
-class CountingCancels:
-    """Stands in for ``CANCEL_RESERVE`` in the publish path: counts its sends, then makes them."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def send(self, *args: Any, **kwargs: Any) -> Any:
-        self.sent += 1
-        return CANCEL_RESERVE.send(*args, **kwargs)
-
-
-def test_a_reserve_the_store_never_got_is_not_cancelled(
-    make_app: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A lock store refusing connections took nothing: no cancel is sent, none is said to be due."""
-    app = make_app(redlock_on_redis_error="run")
-    app.conf.redlock_url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-
-    @app.task(base=SingletonTask, shared=False, name="t.refused", lock_mode="until_executed")
-    def job(x: int) -> int:
-        return x
-
-    cancels = CountingCancels()
-    monkeypatch.setattr("celery_redlock.celery.publish.CANCEL_RESERVE", cancels)
-    ids = published_ids(app)
-    with caplog.at_level(logging.INFO, logger="celery_redlock"):
-        result = job.delay(1)
-    assert ids == [result.id]  # published without an enqueue lock, as configured
-    assert cancels.sent == 0
-    assert "publishing WITHOUT an enqueue lock" in caplog.text
-    assert "may have been taken" not in caplog.text
 
 
 # -- H2: Redis fails when the worker starts the task --------------------------------

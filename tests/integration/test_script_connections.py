@@ -16,11 +16,10 @@ import threading
 import pytest
 import redis
 
-from celery_redlock.core.exceptions import NotSent
 from celery_redlock.core.lock import Lock
 from celery_redlock.core.lua import Script
 from celery_redlock.core.reserved import reserved_for
-from tests.redis_servers import RedisServer, free_port
+from tests.redis_servers import RedisServer
 
 # Returns its argument after a server-side busy loop long enough that two
 # callers on one socket would overlap (and read each other's replies).
@@ -91,26 +90,6 @@ def test_the_reserved_connection_reconnects_after_a_restart(redis_server: RedisS
     assert ECHO(client, [], [b"first"]) == b"first"
     redis_server.restart()  # closes the reserved connection's socket, flushes the script cache
     assert ECHO(client, [], [b"second"]) == b"second"
-
-
-def test_a_script_the_server_never_got_is_not_sent(redis_server: RedisServer) -> None:
-    """A connection that cannot be opened is NotSent: nothing was written, nothing needs undoing.
-
-    A connection that was open, and failed while the script was on its way,
-    may have run it: that stays a plain ConnectionError.
-    """
-    no_retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
-    nobody = redis.Redis(port=free_port(), retry=no_retry)
-    with pytest.raises(NotSent):
-        ECHO(nobody, [], [b"x"])  # the pool's connection
-    client = redis_server.client(retry=no_retry)
-    assert ECHO(client, [], [b"first"]) == b"first"  # the reserved connection is open
-    redis_server.stop()
-    with pytest.raises(redis.ConnectionError) as sent:
-        ECHO(client, [], [b"second"])  # written on the open connection: it may have run
-    assert not isinstance(sent.value, NotSent)
-    with pytest.raises(NotSent):
-        ECHO(client, [], [b"third"])  # the closed connection is reopened first, and cannot be
 
 
 # Returns ARGV[1] after keeping the server busy for ARGV[2] milliseconds.
