@@ -253,9 +253,7 @@ class Semaphore(SemaphoreSettings, PerThreadLock):
                 self.local.lease = lease
                 return
         try:
-            RELEASE_PERMIT(
-                self.redis, self._release_keys, (lease.token, "0", self._ttl_ms, self.limit)
-            )
+            self._give_back(lease.token)
         except RedisError as exc:
             # The caller's mistake is what it must hear of; the permit is not
             # renewed, so it frees itself.
@@ -293,9 +291,13 @@ class Semaphore(SemaphoreSettings, PerThreadLock):
 
     def do_release(self, expected_token: bytes) -> None:
         """Run the release script: remove exactly this permit, wake a waiter if any."""
-        args = (expected_token, "0", self._ttl_ms, self.limit)
-        if not RELEASE_PERMIT(self.redis, self._release_keys, args):
+        if not self._give_back(expected_token):
             raise PERMIT.lost_at_release(self.local.lease, self.name)
+
+    def _give_back(self, token: bytes) -> bool:
+        """Remove the permit ``token`` names, waking a waiter if any; whether it was there."""
+        args = (token, "0", self._ttl_ms, self.limit)
+        return bool(RELEASE_PERMIT(self.redis, self._release_keys, args))
 
     def extend(self, additional_time: Number, replace_ttl: bool = False) -> Literal[True]:
         """Add ``additional_time`` seconds to the permit's time left, or set it to that.

@@ -21,6 +21,7 @@ from celery_redlock.asyncio import Redlock, drain
 from tests.fault_proxy import DelayProxy, ReplyDroppingProxy
 from tests.integration.asyncio.test_redlock import eventually, no_key, run_on
 from tests.integration.asyncio.test_redlock_ordering import warm
+from tests.redis_topologies import wait_until
 
 
 def connections_received(server):
@@ -286,10 +287,7 @@ def test_the_loop_ending_with_a_release_in_flight_is_quiet(redis_servers, caplog
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     # The releases were written before the clients closed: the masters run them on resuming.
     check = [server.client() for server in servers]
-    deadline = time.monotonic() + 5
-    while any(c.exists("rl") for c in check) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not any(c.exists("rl") for c in check)
+    wait_until(lambda: not any(c.exists("rl") for c in check), 5, "the resumed masters' releases")
 
 
 async def _holds(client, value):
